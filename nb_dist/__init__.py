@@ -1,0 +1,43 @@
+"""nb_dist: launch distributed PyTorch from a Jupyter cell, and see every rank.
+
+``notebook_launcher(fn, args, num_processes=2)`` runs ``fn`` on N workers under
+torch.distributed (gloo on CPU, NCCL on GPUs), streams each rank's output into the cell,
+returns each rank's value, and tears everything down on failure, hang or interrupt.
+"""
+
+from __future__ import annotations
+
+import os as _os
+
+from .errors import (
+    LaunchError,
+    LaunchTimeoutError,
+    RankOutcome,
+    UnsafeLaunchError,
+    WorkerFailedError,
+)
+from .launcher import notebook_launcher
+from .precision import autocast, autocast_dtype, mixed_precision, needs_grad_scaler
+from .preflight import install_cuda_touch_recorder as _install_cuda_touch_recorder
+from .result import LaunchResult
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LaunchError",
+    "LaunchResult",
+    "LaunchTimeoutError",
+    "RankOutcome",
+    "UnsafeLaunchError",
+    "WorkerFailedError",
+    "autocast",
+    "autocast_dtype",
+    "mixed_precision",
+    "needs_grad_scaler",
+    "notebook_launcher",
+]
+
+# Let torch.cuda.is_available() ask NVML instead of initializing CUDA, so that checking for a
+# GPU in a cell does not poison later forks (honoured only where the user has not set it).
+_os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+_install_cuda_touch_recorder()

@@ -1,0 +1,113 @@
+"""Exceptions raised by the launcher, and the per-rank outcome records they carry."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = [
+    "LaunchError",
+    "LaunchTimeoutError",
+    "RankOutcome",
+    "UnsafeLaunchError",
+    "WorkerFailedError",
+]
+
+
+@dataclass
+class RankOutcome:
+    """What happened to one rank of a launch.
+
+    ``status`` is one of:
+
+    - ``"ok"``: the function returned and its value came back;
+    - ``"failed"``: the function raised, or the process died on its own (signal, ``os._exit``);
+    - ``"collateral"``: it failed, but only because another rank failed first
+      (for example "Connection closed by peer" while waiting in a collective);
+    - ``"stopped"``: the launcher stopped it (after another rank failed, a timeout or an interrupt);
+    - ``"running"``: still running when the outcome was recorded (only seen in live views).
+    """
+
+    rank: int
+    local_rank: int
+    pid: int | None = None
+    status: str = "running"
+    exit_code: int | None = None
+    signal_name: str | None = None
+    exc_type: str | None = None
+    message: str | None = None
+    traceback: str | None = None
+    failed_at: float | None = None
+    duration: float | None = None
+    stack: str | None = field(default=None, repr=False)
+
+    def describe(self) -> str:
+        """One human sentence about this rank's outcome."""
+        how = ""
+        if self.signal_name:
+            how = f" (signal {self.signal_name})"
+        elif self.exit_code not in (None, 0):
+            how = f" (exit code {self.exit_code})"
+        if self.status == "ok":
+            return f"rank {self.rank}: finished"
+        if self.status == "stopped":
+            return f"rank {self.rank}: stopped by the launcher{how}"
+        if self.status == "running":
+            return f"rank {self.rank}: still running"
+        what = f"{self.exc_type}: {self.message}" if self.exc_type else "the process died"
+        if self.status == "collateral":
+            return f"rank {self.rank}: failed as a consequence: {what}{how}"
+        return f"rank {self.rank}: failed: {what}{how}"
+
+
+class LaunchError(RuntimeError):
+    """Base class of every error the launcher raises about a launch."""
+
+
+class UnsafeLaunchError(LaunchError):
+    """The kernel is in a state where starting workers would fail or misbehave.
+
+    Raised before any worker starts; the message says what was found and what to do.
+    """
+
+
+class WorkerFailedError(LaunchError):
+    """One or more ranks failed. The message starts with the root cause.
+
+    Attributes:
+        root_cause: the outcome of the rank that failed first (not a collateral failure).
+        outcomes: every rank's :class:`RankOutcome`, indexed by local rank.
+        logs: every rank's captured output, indexed by local rank.
+    """
+
+    def __init__(
+        self, message: str, root_cause: RankOutcome, outcomes: list[RankOutcome], logs: list[str]
+    ) -> None:
+        super().__init__(message)
+        self.root_cause = root_cause
+        self.outcomes = outcomes
+        self.logs = logs
+
+
+class LaunchTimeoutError(LaunchError):
+    """The launch ran longer than its ``timeout``. Carries where every live rank was blocked.
+
+    Attributes:
+        timeout: the limit in seconds.
+        stacks: ``{rank: stack text}`` for the ranks that were still running.
+        outcomes: every rank's :class:`RankOutcome`, indexed by local rank.
+        logs: every rank's captured output, indexed by local rank.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        timeout: float,
+        stacks: dict[int, str],
+        outcomes: list[RankOutcome],
+        logs: list[str],
+    ) -> None:
+        super().__init__(message)
+        self.timeout = timeout
+        self.stacks = stacks
+        self.outcomes = outcomes
+        self.logs = logs

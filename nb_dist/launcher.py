@@ -1,0 +1,406 @@
+"""``notebook_launcher``: run a function on N processes under torch.distributed from a cell."""
+
+from __future__ import annotations
+
+import ipaddress
+import linecache
+import multiprocessing
+import os
+import socket
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from . import ports, preflight
+from .errors import WorkerFailedError
+from .output import DEFAULT_PREFIX, OUTPUT_MODES, OutputRouter
+from .precision import normalize_mixed_precision
+from .result import LaunchResult
+from .supervisor import AttemptConfig, Supervisor
+from .tracebacks import cell_label
+
+# How long workers may take to reach the rendezvous store (the store's client timeout).
+_STORE_TIMEOUT = 300.0
+
+
+def notebook_launcher(
+    function: Callable[..., Any],
+    args: Sequence[Any] = (),
+    num_processes: int | None = None,
+    mixed_precision: str = "no",
+    use_port: int | str | None = None,
+    master_addr: str = "127.0.0.1",
+    node_rank: int = 0,
+    num_nodes: int = 1,
+    rdzv_backend: str = "static",
+    rdzv_endpoint: str = "",
+    rdzv_conf: dict[str, Any] | None = None,
+    rdzv_id: str = "none",
+    max_restarts: int = 0,
+    monitor_interval: float = 0.1,
+    log_line_prefix_template: str | None = None,
+    *,
+    start_method: str = "fork",
+    timeout: float | None = None,
+    output: str = "all",
+    init_process_group: bool = False,
+    device: str = "auto",
+    threads_per_process: int | None = None,
+    hang_notice_after: float | None = 30.0,
+) -> LaunchResult:
+    """Run ``function(*args)`` on ``num_processes`` workers and return every rank's value.
+
+    Call it from a notebook cell (or a script). Each worker gets the standard torch.distributed
+    environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ...),
+    so ``torch.distributed.init_process_group()`` and ``accelerate.Accelerator()`` work inside
+    the function unchanged. The backend is gloo on CPU and NCCL on GPUs (one GPU per rank).
+
+    The first parameters match ``accelerate.notebook_launcher``; swap the import and the call
+    works. Differences: ``use_port=None`` picks a free port for every launch, the values
+    come back (``result[rank]``), output is labelled by rank, and failures name the rank
+    that failed first.
+
+    Args:
+        function: the function every worker runs; defined in a cell is fine.
+        args: positional arguments for ``function`` (a tuple or list).
+        num_processes: workers on this machine. ``None``: one per visible GPU.
+        mixed_precision: ``"no"``, ``"fp16"`` or ``"bf16"``; reaches ``Accelerator()`` and
+            :func:`nb_dist.mixed_precision` in the workers.
+        use_port: rendezvous port; ``None`` picks a free one. Required with ``num_nodes > 1``.
+        master_addr: address of node 0 (the machine whose kernel hosts the rendezvous).
+        node_rank, num_nodes: this machine's index and the number of machines; run the same
+            cell on every machine at about the same time.
+        rdzv_backend, rdzv_endpoint, rdzv_conf, rdzv_id: Accelerate's rendezvous options.
+            Only the static rendezvous is supported; ``rdzv_endpoint="host:port"`` is read as
+            ``master_addr``/``use_port``.
+        max_restarts: restart the whole group up to this many times after a failure.
+        monitor_interval: seconds between checks of the workers' state.
+        log_line_prefix_template: label for each output line, e.g. ``"[${rank}]: "``
+            (default ``"[rank ${rank}] "``).
+        start_method: ``"fork"`` (default: cell-defined functions just work), or ``"spawn"`` /
+            ``"forkserver"`` (fresh processes; works even after CUDA was touched in the kernel;
+            the function and args are shipped with cloudpickle).
+        timeout: stop everything after this many seconds and raise
+            :class:`~nb_dist.LaunchTimeoutError` showing where each rank was blocked.
+        output: ``"all"`` ranks' output in the cell, ``"rank0"`` only, or ``"none"``. Every
+            rank's output is kept in ``result.logs`` either way.
+        init_process_group: create the default process group in each worker before calling
+            ``function`` (off by default, so code that creates it itself runs unchanged).
+        device: ``"auto"`` (GPUs if any, else CPU), ``"cpu"`` or ``"cuda"``.
+        threads_per_process: intra-op threads per worker. Default: cores / workers, unless
+            ``OMP_NUM_THREADS`` is set.
+        hang_notice_after: when some ranks finished and another still runs this many seconds
+            later, print where it is (a likely deadlock) and keep waiting. ``None``: never.
+
+    Returns:
+        A :class:`~nb_dist.LaunchResult`: a list of the ranks' return values, with their
+        outcomes, logs and timings as attributes.
+
+    Raises:
+        UnsafeLaunchError: the kernel's state would break the workers (nothing was started).
+        TypeError, ValueError: an argument is wrong; the message names it and the fix.
+        WorkerFailedError: a rank failed; the message starts with the root cause.
+        LaunchTimeoutError: ``timeout`` passed; the message shows each rank's stack.
+        KeyboardInterrupt: the kernel was interrupted; all workers were stopped.
+    """
+    __tracebackhide__ = True
+    began = time.monotonic()
+    preflight.check_not_nested()
+    preflight.check_function(function)
+    call_args = preflight.check_args(args)
+    mixed = normalize_mixed_precision(mixed_precision)
+    method = preflight.check_choice("start_method", start_method, preflight.START_METHODS)
+    output_mode = preflight.check_choice("output", output, OUTPUT_MODES)
+    device = preflight.check_choice("device", device, preflight.DEVICES)
+    num_nodes = preflight.check_positive_int(
+        "num_nodes", num_nodes, "Use num_nodes=1 for a launch on this machine only."
+    )
+    node_rank = preflight.check_node_rank(node_rank, num_nodes)
+    master_addr, port = _rendezvous_address(
+        rdzv_backend, rdzv_endpoint, rdzv_conf, master_addr, use_port
+    )
+    if num_nodes > 1 and port is None:
+        raise ValueError(
+            f"use_port=None with num_nodes={num_nodes}: every machine must know the port in "
+            "advance, so a multi-node launch needs an explicit port. Pass the same use_port "
+            "(for example use_port=29500) on every node."
+        )
+    restarts = _non_negative_int("max_restarts", max_restarts)
+    if restarts and num_nodes > 1:
+        raise ValueError(
+            f"max_restarts={restarts} with num_nodes={num_nodes}: restarts are coordinated on "
+            "one machine only. Use max_restarts=0, or torchrun with an elastic rendezvous "
+            "(--rdzv-backend=c10d --max-restarts=N) for fault-tolerant multi-node jobs."
+        )
+    poll = preflight.check_seconds("monitor_interval", monitor_interval) or 0.1
+    timeout = preflight.check_seconds("timeout", timeout)
+    hang_after = preflight.check_seconds("hang_notice_after", hang_notice_after)
+    if threads_per_process is not None:
+        preflight.check_positive_int(
+            "threads_per_process", threads_per_process, "Or leave it unset for cores / workers."
+        )
+    if not isinstance(init_process_group, bool):
+        raise TypeError(f"init_process_group={init_process_group!r} must be True or False.")
+
+    preflight.check_process_group()
+    preflight.check_accelerate_state()
+
+    cuda = preflight.probe_cuda() if device != "cpu" else preflight.CudaState(0, False, None)
+    use_gpu = device == "cuda" or (device == "auto" and cuda.gpus > 0)
+    if use_gpu and cuda.gpus == 0:
+        raise ValueError(
+            "device='cuda' but no GPU is visible to this kernel (check CUDA_VISIBLE_DEVICES "
+            "and the driver). Use device='cpu' (or the default 'auto') to run on CPU."
+        )
+    if num_processes is None:
+        if cuda.gpus == 0 or not use_gpu:
+            raise ValueError(
+                "num_processes=None means one process per GPU, and no GPU is in use here. "
+                "Say how many CPU processes to start, e.g. num_processes=2."
+            )
+        num_processes = cuda.gpus
+    nprocs = preflight.check_positive_int(
+        "num_processes",
+        num_processes,
+        "For CPU training on a laptop, 2 to 4 is a good choice.",
+    )
+    if use_gpu and nprocs > cuda.gpus:
+        raise ValueError(
+            f"num_processes={nprocs} but only {cuda.gpus} GPU(s) are visible: each process "
+            f"needs its own GPU. Use num_processes={cuda.gpus} or fewer, or device='cpu'."
+        )
+    if use_gpu and cuda.poisoned and method == "fork":
+        raise preflight.cuda_poisoned_error(cuda)
+    if method == "fork" and "fork" not in multiprocessing.get_all_start_methods():
+        method = "spawn"  # e.g. Windows: no fork; spawn ships the function with cloudpickle
+
+    payload = _pickle_for_spawn(function, call_args) if method != "fork" else None
+    threads = _threads(threads_per_process, nprocs)
+    world_size = nprocs * num_nodes
+    ranks = [node_rank * nprocs + local for local in range(nprocs)]
+    prefix = log_line_prefix_template or DEFAULT_PREFIX
+
+    attempt = 0
+    while True:
+        router = OutputRouter(ranks, output_mode, prefix)
+        store = None
+        if node_rank == 0:
+            store = ports.open_store(master_addr, port, world_size, _STORE_TIMEOUT)
+            actual_port = store.port
+        else:
+            actual_port = port or 0
+        try:
+            envs = [
+                _worker_env(
+                    rank=rank,
+                    local_rank=local,
+                    nprocs=nprocs,
+                    world_size=world_size,
+                    node_rank=node_rank,
+                    num_nodes=num_nodes,
+                    master_addr=master_addr,
+                    port=actual_port,
+                    attempt=attempt,
+                    max_restarts=restarts,
+                    run_id=rdzv_id,
+                    mixed=mixed,
+                    threads=threads,
+                    use_gpu=use_gpu,
+                    force_cpu=device == "cpu",
+                )
+                for local, rank in enumerate(ranks)
+            ]
+            config = AttemptConfig(
+                function=function,
+                args=call_args,
+                ranks=ranks,
+                worker_env=envs,
+                start_method=method,
+                threads=threads,
+                init_process_group=init_process_group,
+                backend="nccl" if use_gpu else "gloo",
+                use_gpu=use_gpu,
+                router=router,
+                timeout=timeout,
+                hang_notice_after=hang_after,
+                poll_interval=poll,
+                payload=payload,
+                linecache_entries=_cell_sources() if payload is not None else {},
+            )
+            supervisor = Supervisor(config)
+            try:
+                outcome = supervisor.run()
+            finally:
+                ports.started_worker_pids.update(w.pid for w in supervisor.workers if w.pid)
+        except WorkerFailedError as failure:
+            if attempt >= restarts:
+                raise
+            attempt += 1
+            router.notice(
+                f"{failure.root_cause.describe()}; restarting all ranks "
+                f"(restart {attempt} of {restarts})."
+            )
+            continue
+        finally:
+            if store is not None:
+                ports.forget_store(store)
+                store = None  # drops the last reference: the server stops, the port is free
+        return LaunchResult(
+            values=outcome.values,
+            ranks=ranks,
+            outcomes=outcome.outcomes,
+            logs=[router.log_text(i) for i in range(nprocs)],
+            durations=outcome.durations,
+            wall_time=time.monotonic() - began,
+            port=actual_port,
+            start_method=method,
+            restarts=attempt,
+        )
+
+
+def _rendezvous_address(
+    backend: object,
+    endpoint: object,
+    conf: object,
+    master_addr: object,
+    use_port: object,
+) -> tuple[str, int | None]:
+    if not isinstance(backend, str) or backend.lower() != "static":
+        raise ValueError(
+            f"rdzv_backend={backend!r} is not supported: nb_dist uses a static rendezvous on "
+            "master_addr:use_port, which is what a notebook launch needs. Leave rdzv_backend "
+            "unset (or 'static'); for elastic jobs run a script with torchrun "
+            "--rdzv-backend=c10d instead."
+        )
+    if conf:
+        raise ValueError(
+            f"rdzv_conf={conf!r} is not supported (it configures elastic rendezvous). Leave it "
+            "unset; use timeout=... for a time limit on the whole launch."
+        )
+    if not isinstance(master_addr, str) or not master_addr:
+        raise TypeError(f"master_addr={master_addr!r} must be a host name or IP address string.")
+    port = preflight.check_port(use_port)
+    if endpoint:
+        if not isinstance(endpoint, str) or ":" not in endpoint:
+            raise ValueError(
+                f"rdzv_endpoint={endpoint!r} must look like 'host:port', e.g. '10.0.0.1:29500'. "
+                "Or pass master_addr and use_port instead."
+            )
+        host, _, endpoint_port = endpoint.rpartition(":")
+        master_addr = host.strip("[]")
+        port = preflight.check_port(endpoint_port)
+    return master_addr, port
+
+
+def _non_negative_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name}={value!r} must be a whole number, 0 or more.")
+    return value
+
+
+def _threads(threads_per_process: int | None, nprocs: int) -> int | None:
+    """Intra-op threads per worker so that N workers do not oversubscribe the cores."""
+    if threads_per_process is not None:
+        return threads_per_process
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None  # the user decided; workers inherit the variable
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // nprocs)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _loopback_interface() -> str | None:
+    names = (
+        {name for _, name in socket.if_nameindex()} if hasattr(socket, "if_nameindex") else set()
+    )
+    for candidate in ("lo", "lo0"):
+        if candidate in names:
+            return candidate
+    return None
+
+
+def _worker_env(
+    *,
+    rank: int,
+    local_rank: int,
+    nprocs: int,
+    world_size: int,
+    node_rank: int,
+    num_nodes: int,
+    master_addr: str,
+    port: int,
+    attempt: int,
+    max_restarts: int,
+    run_id: str,
+    mixed: str,
+    threads: int | None,
+    use_gpu: bool,
+    force_cpu: bool,
+) -> dict[str, str]:
+    """The environment torchrun would give this rank, plus nb_dist's own hand-offs."""
+    env = {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(nprocs),
+        "NODE_RANK": str(node_rank),
+        "GROUP_RANK": str(node_rank),
+        "GROUP_WORLD_SIZE": str(num_nodes),
+        "ROLE_RANK": str(rank),
+        "ROLE_NAME": "default",
+        "ROLE_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(port),
+        # The kernel hosts the store (see ports.py): every rank connects as a client.
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RESTART_COUNT": str(attempt),
+        "TORCHELASTIC_MAX_RESTARTS": str(max_restarts),
+        "TORCHELASTIC_RUN_ID": str(run_id),
+        "ACCELERATE_MIXED_PRECISION": mixed,
+        "NB_DIST_MIXED_PRECISION": mixed,
+    }
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    if _is_loopback(master_addr) and not os.environ.get("GLOO_SOCKET_IFNAME"):
+        # Gloo otherwise resolves the host name to pick an interface, which fails on machines
+        # without network or with an unresolvable host name.
+        interface = _loopback_interface()
+        if interface:
+            env["GLOO_SOCKET_IFNAME"] = interface
+    if use_gpu:
+        env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1"
+    if force_cpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        env["ACCELERATE_USE_CPU"] = "true"
+    return env
+
+
+def _pickle_for_spawn(function: Callable[..., Any], args: tuple[Any, ...]) -> bytes:
+    """Ship the function and args by value, so functions defined in a cell work with spawn."""
+    import cloudpickle
+
+    try:
+        return cloudpickle.dumps((function, args))
+    except Exception as exc:
+        raise TypeError(
+            f"start_method='spawn'/'forkserver' must send the function and args to fresh "
+            f"processes, and this failed: {type(exc).__name__}: {exc}. Make the args picklable "
+            "(no open files, locks or generators), create such objects inside the function, or "
+            "use start_method='fork'."
+        ) from exc
+
+
+def _cell_sources() -> dict[str, Any]:
+    """linecache entries of notebook cells, so spawned workers' tracebacks show the code."""
+    return {name: entry for name, entry in linecache.cache.items() if cell_label(name)}

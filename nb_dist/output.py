@@ -1,0 +1,106 @@
+"""Rank-labelled output: turning each worker's byte stream into labelled lines in the cell.
+
+Workers write to pipes; the launching cell's thread reads them and writes every complete line
+with its rank's prefix to the kernel's own ``sys.stdout``/``sys.stderr``. Because the launching
+thread writes, the lines land in the launching cell and are all sent before the cell returns.
+"""
+
+from __future__ import annotations
+
+import codecs
+import string
+import sys
+import time
+from typing import TextIO
+
+OUTPUT_MODES = ("all", "rank0", "none")
+DEFAULT_PREFIX = "[rank ${rank}] "
+
+
+class LineSplitter:
+    """Split a byte stream into complete text lines; keep what a terminal would show of ``\\r``.
+
+    A progress bar that redraws itself with ``\\r`` becomes one line (its last state) instead
+    of hundreds, and a partial line is held back until it is complete (or flushed).
+    """
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._pending = ""
+        self.pending_since: float | None = None
+
+    def feed(self, data: bytes) -> list[str]:
+        text = self._pending + self._decoder.decode(data)
+        *complete, self._pending = text.split("\n")
+        if self._pending and self.pending_since is None:
+            self.pending_since = time.monotonic()
+        elif not self._pending:
+            self.pending_since = None
+        return [_visible(line) for line in complete]
+
+    def flush(self) -> list[str]:
+        """Return the held-back partial line, if any, as a line of its own."""
+        text = self._pending + self._decoder.decode(b"", final=True)
+        self._pending = ""
+        self.pending_since = None
+        return [_visible(text)] if text else []
+
+
+def _visible(line: str) -> str:
+    line = line.rstrip("\r")
+    return line.rsplit("\r", 1)[-1]
+
+
+class OutputRouter:
+    """Where each rank's lines go: the cell (labelled, filtered by ``mode``) and the rank's log."""
+
+    def __init__(
+        self,
+        ranks: list[int],
+        mode: str = "all",
+        prefix_template: str = DEFAULT_PREFIX,
+        stdout: TextIO | None = None,
+        stderr: TextIO | None = None,
+    ) -> None:
+        self.mode = mode
+        self._prefixes = [
+            string.Template(prefix_template).safe_substitute(
+                rank=rank, local_rank=local, role_name="default", role="default"
+            )
+            for local, rank in enumerate(ranks)
+        ]
+        self._ranks = ranks
+        self._stdout = stdout
+        self._stderr = stderr
+        self.logs: list[list[str]] = [[] for _ in ranks]
+
+    def _stream(self, name: str) -> TextIO:
+        # Looked up at write time: IPython swaps sys.stdout per cell.
+        if name == "stderr":
+            return self._stderr or sys.stderr
+        return self._stdout or sys.stdout
+
+    def shows(self, local_rank: int) -> bool:
+        if self.mode == "none":
+            return False
+        return self.mode == "all" or self._ranks[local_rank] == 0
+
+    def lines(self, local_rank: int, stream: str, lines: list[str]) -> None:
+        if not lines:
+            return
+        self.logs[local_rank].extend(lines)
+        if self.shows(local_rank):
+            prefix = self._prefixes[local_rank]
+            out = self._stream(stream)
+            out.write("".join(f"{prefix}{line}\n" for line in lines))
+            out.flush()
+
+    def notice(self, text: str) -> None:
+        """A message from the launcher itself (not from a rank), on stderr."""
+        out = self._stream("stderr")
+        out.write("".join(f"[nb_dist] {line}\n" for line in text.splitlines()))
+        out.flush()
+
+    def log_text(self, local_rank: int) -> str:
+        lines = self.logs[local_rank]
+        return "\n".join(lines) + ("\n" if lines else "")

@@ -1,0 +1,96 @@
+"""The rendezvous store the kernel owns, and what to say when its port is taken.
+
+The kernel hosts torch's ``TCPStore`` for the launch (as torchrun's agent does) and the workers
+connect to it as clients (``TORCHELASTIC_USE_AGENT_STORE=True``), so ``init_process_group()``
+and ``Accelerator()`` work unchanged inside the function. With no ``use_port`` the store binds
+port 0 and the OS picks a free port that the store already owns: there is no window in which
+another program could take it, unlike "find a free port, close it, hope".
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any
+
+from .errors import UnsafeLaunchError
+
+# Ports of launches from this kernel that are running now (a second launch from a thread).
+_ports_in_use_here: set[int] = set()
+# Pids of every worker this kernel started, to recognise leftovers of an earlier launch.
+started_worker_pids: set[int] = set()
+
+
+def open_store(master_addr: str, port: int | None, world_size: int, timeout: float) -> Any:
+    """Start the launch's TCPStore server in the kernel on ``port`` (``None``: a free port)."""
+    from torch.distributed import TCPStore
+
+    try:
+        store = TCPStore(
+            host_name=master_addr,
+            port=port or 0,
+            world_size=world_size,
+            is_master=True,
+            timeout=timedelta(seconds=timeout),
+            wait_for_workers=False,
+        )
+    except (RuntimeError, OSError) as exc:
+        if port is not None and _is_address_in_use(exc):
+            raise port_in_use_error(port) from None
+        raise UnsafeLaunchError(
+            f"The launcher could not open its rendezvous port on {master_addr}:{port or 'auto'} "
+            f"({type(exc).__name__}: {exc}). Check that master_addr={master_addr!r} is an "
+            "address of this machine (127.0.0.1 for a single machine)."
+        ) from exc
+    _ports_in_use_here.add(store.port)
+    return store
+
+
+def forget_store(store: Any) -> None:
+    """Mark the store's port free; the caller drops its last reference, which stops the server."""
+    _ports_in_use_here.discard(store.port)
+
+
+def _is_address_in_use(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return "address already in use" in text or "eaddrinuse" in text or "errno: 98" in text
+
+
+def port_in_use_error(port: int) -> UnsafeLaunchError:
+    owner = _describe_owner(port)
+    return UnsafeLaunchError(
+        f"Port {port} (use_port={port}) is already in use{owner}, so the launch cannot "
+        "rendezvous there. Leave use_port unset and the launcher picks a free port for every "
+        "launch, or choose another port (for example use_port=29600)."
+    )
+
+
+def _describe_owner(port: int) -> str:
+    """``" by process 123 (python)"`` and whether that is a launch from this kernel, if known."""
+    if port in _ports_in_use_here:
+        return " by another launch from this kernel that is still running"
+    try:
+        import psutil
+    except ImportError:  # pragma: no cover - psutil is a dependency
+        return ""
+    try:
+        connections = psutil.net_connections(kind="inet")
+    except (psutil.AccessDenied, OSError):
+        return ""
+    for conn in connections:
+        if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN:
+            if conn.pid is None:
+                return " by another program"
+            if conn.pid == os.getpid():
+                return " by this kernel (an earlier store or server you started in a cell)"
+            try:
+                name = psutil.Process(conn.pid).name()
+            except psutil.Error:
+                name = "unknown"
+            if conn.pid in started_worker_pids:
+                return (
+                    f" by process {conn.pid} ({name}), a worker left over from an earlier "
+                    "launch from this kernel"
+                )
+            return f" by process {conn.pid} ({name})"
+    return ""

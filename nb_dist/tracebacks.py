@@ -1,0 +1,106 @@
+"""Tracebacks and live stacks from workers, written the way IPython writes them.
+
+Workers report file names such as ``/tmp/ipykernel_123/2803.py``; the kernel knows that this
+file is ``Cell In[5]``. These helpers relabel such names in the kernel, and turn a raw
+``faulthandler`` dump of a blocked worker into a readable "most recent call last" stack.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import re
+
+_FILE_LINE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')
+_FAULT_HEADER = re.compile(r"^(Current thread|Thread|Stack) ?(?P<ident>0x[0-9a-f]+)?.*:$")
+_FAULT_FRAME = re.compile(r'^\s+File "(?P<file>[^"]*)", line (?P<line>\d+) in (?P<name>.+)$')
+
+# Frames of the launcher's own worker entry are noise in a user's stack.
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def cell_label(filename: str) -> str | None:
+    """Return ``"Cell In[5]"`` for a file name IPython made for a cell, else ``None``."""
+    try:
+        from IPython import get_ipython
+    except ImportError:  # pragma: no cover - IPython is a dependency of ipykernel
+        return None
+    shell = get_ipython()
+    compiler = getattr(shell, "compile", None)
+    formatter = getattr(compiler, "format_code_name", None)
+    if formatter is None:
+        return None
+    label = formatter(filename)
+    return f"{label[0]} {label[1]}" if label else None
+
+
+def relabel_cells(text: str) -> str:
+    """Replace ``File "/tmp/ipykernel_…/N.py", line L`` by ``Cell In[K], line L`` in ``text``."""
+
+    def repl(match: re.Match[str]) -> str:
+        label = cell_label(match.group("file"))
+        if label is None:
+            return match.group(0)
+        return f"{label}, line {match.group('line')}"
+
+    return _FILE_LINE.sub(repl, text)
+
+
+def parse_fault_dump(dump: str, thread_ident: int | None) -> list[tuple[str, int, str]]:
+    """Frames (file, line, function), most recent last, of one thread in a faulthandler dump.
+
+    ``thread_ident`` picks the thread (the worker's main thread); with ``None`` the first
+    block is used.
+    """
+    blocks: list[tuple[int | None, list[tuple[str, int, str]]]] = []
+    for raw in dump.splitlines():
+        header = _FAULT_HEADER.match(raw)
+        if header:
+            ident = header.group("ident")
+            blocks.append((int(ident, 16) if ident else None, []))
+            continue
+        frame = _FAULT_FRAME.match(raw)
+        if frame and blocks:
+            blocks[-1][1].append((frame["file"], int(frame["line"]), frame["name"].strip()))
+    if not blocks:
+        return []
+    chosen = blocks[0][1]
+    for ident, frames in blocks:
+        if thread_ident is not None and ident == thread_ident:
+            chosen = frames
+            break
+    return list(reversed(chosen))
+
+
+def format_frames(frames: list[tuple[str, int, str]]) -> str:
+    """Format frames like a Python traceback body, with cell labels and source lines."""
+    lines = []
+    for filename, lineno, name in frames:
+        if os.path.dirname(os.path.abspath(filename)) == _PACKAGE_DIR:
+            continue
+        label = cell_label(filename)
+        where = f"{label}, line {lineno}" if label else f'File "{filename}", line {lineno}'
+        lines.append(f"  {where}, in {name}")
+        source = linecache.getline(filename, lineno).strip()
+        if source:
+            lines.append(f"    {source}")
+    return "\n".join(lines)
+
+
+def innermost_user_frame(frames: list[tuple[str, int, str]]) -> str | None:
+    """Short "``dist.all_reduce(t)`` at Cell In[5], line 9, in train" for a blocked worker.
+
+    The deepest frame is usually inside torch; what a learner needs is the line of their own
+    code that led there, so report the innermost frame whose file is not in a library.
+    """
+    library_markers = (os.sep + "site-packages" + os.sep, os.sep + "lib" + os.sep + "python")
+    for filename, lineno, name in reversed(frames):
+        if any(m in filename for m in library_markers) or filename.startswith("<frozen"):
+            continue
+        if os.path.dirname(os.path.abspath(filename)) == _PACKAGE_DIR:
+            continue
+        where = cell_label(filename) or os.path.basename(filename)
+        source = linecache.getline(filename, lineno).strip()
+        code = f"`{source}` at " if source else ""
+        return f"{code}{where}, line {lineno}, in {name}"
+    return None

@@ -1,0 +1,352 @@
+"""The worker side of a launch: what runs inside each rank's process.
+
+A forked worker starts as a copy of the kernel, threads gone but sockets, streams and signal
+handlers inherited. Before running any user code it cuts every tie to the kernel: its own
+process group, its own stdout/stderr pipes (never the kernel's ZMQ/iopub machinery), death
+when the kernel dies, and the standard torch.distributed environment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import faulthandler
+import io
+import os
+import pickle
+import signal
+import socket
+import stat
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+# Set in a worker so that a launch from inside a worker is refused (see preflight).
+WORKER_ENV_FLAG = "NB_DIST_WORKER_RANK"
+
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass
+class WorkerSpec:
+    """Everything one worker needs, picklable so spawn/forkserver workers can receive it."""
+
+    rank: int
+    local_rank: int
+    env: dict[str, str]
+    threads: int | None
+    init_process_group: bool
+    backend: str
+    use_gpu: bool
+    parent_pid: int
+    check_parent: bool
+    # fork: the function and args themselves; spawn/forkserver: cloudpickle bytes of both.
+    function: Callable[..., Any] | None = None
+    args: tuple[Any, ...] = ()
+    payload: bytes | None = None
+    # Cell sources for tracebacks in spawned workers (they do not inherit linecache).
+    linecache_entries: dict[str, Any] = field(default_factory=dict)
+    # The kernel's sys.path, so classes the function refers to by module can be imported.
+    sys_path: list[str] = field(default_factory=list)
+    # Kernel-side file descriptors a forked worker must close (other ranks' pipes, lifelines).
+    close_fds: list[int] = field(default_factory=list)
+
+
+@dataclass
+class WorkerChannels:
+    """Pipes between one worker and the kernel. Each end is a ``Connection`` so it pickles."""
+
+    stdout: Connection
+    stderr: Connection
+    control: Connection
+    stack: Connection
+    lifeline: Connection
+
+
+def spawn_main() -> None:
+    """Entry point of a worker started with ``spawn``: its spec arrives on stdin."""
+    spec, fds = pickle.loads(sys.stdin.buffer.read())
+    channels = WorkerChannels(**{name: Connection(fd) for name, fd in fds.items()})
+    run_worker(spec, channels, forked=False)
+
+
+def forkserver_main(spec: WorkerSpec, channels: WorkerChannels) -> None:
+    """Entry point of a worker started by multiprocessing's ``forkserver``."""
+    run_worker(spec, channels, forked=False)
+
+
+def run_worker(spec: WorkerSpec, channels: WorkerChannels, forked: bool) -> None:
+    """Run one rank to completion and leave the process with ``os._exit``; never returns."""
+    code = 1
+    try:
+        code = _run(spec, channels, forked)
+    except BaseException:  # last resort: the report path itself failed
+        with contextlib.suppress(BaseException):
+            traceback.print_exc()
+    finally:
+        _flush_all()
+        os._exit(code)
+
+
+def _run(spec: WorkerSpec, channels: WorkerChannels, forked: bool) -> int:
+    _detach_from_kernel(spec, channels, forked)
+    control = channels.control
+    control.send(("hello", os.getpid(), threading.main_thread().ident, time.monotonic()))
+
+    started = time.monotonic()
+    try:
+        function, args = _load_function(spec)
+        _prepare_torch(spec)
+        try:
+            value = function(*args)
+        except SystemExit as exc:
+            if exc.code not in (None, 0):
+                raise
+            value = None  # sys.exit(0) in a worker is a normal end, as under torchrun
+        _destroy_process_group()
+    except BaseException as exc:
+        _report_exception(control, exc, spec)
+        return 1
+    _flush_all()
+    try:
+        data = _dumps_result(value)
+    except Exception as exc:
+        message = (
+            f"rank {spec.rank} returned a value of type {_type_name(value)} that cannot be "
+            f"sent back to the kernel ({type(exc).__name__}: {exc}). Return something picklable "
+            "(numbers, strings, lists, dicts, tensors, a state_dict), or save it to a file and "
+            "return the path."
+        )
+        control.send(
+            ("error", _error_record("UnpicklableResultError", message, "", time.monotonic()))
+        )
+        return 1
+    control.send(("result", time.monotonic() - started))
+    control.send_bytes(data)
+    return 0
+
+
+def _detach_from_kernel(spec: WorkerSpec, channels: WorkerChannels, forked: bool) -> None:
+    """Cut every tie to the kernel before user code runs."""
+    # Own process group: Jupyter's interrupt (sent to the kernel's whole group) must reach the
+    # kernel only; the kernel then stops the workers itself, in order.
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)
+    _die_with_parent(spec)
+
+    # Our own stdout/stderr, at the file-descriptor level so C extensions are captured too.
+    os.dup2(channels.stdout.fileno(), 1)
+    os.dup2(channels.stderr.fileno(), 2)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    sys.stdout = _text_stream(1)
+    sys.stderr = _text_stream(2)
+    sys.stdin = open(0, closefd=False)  # noqa: SIM115 - stays open for the process lifetime
+    sys.__stdout__, sys.__stderr__ = sys.stdout, sys.stderr
+
+    if forked:
+        for fd in spec.close_fds:
+            _close_quietly(fd)
+        _close_inherited_listeners(
+            keep={
+                channels.stdout.fileno(),
+                channels.stderr.fileno(),
+                channels.control.fileno(),
+                channels.stack.fileno(),
+                channels.lifeline.fileno(),
+            }
+        )
+        _silence_inherited_display()
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # Python-level stacks on demand (the kernel sends SIGUSR1 on a hang or timeout) and on a
+    # crash. faulthandler writes from the signal handler in C, so it works even while the main
+    # thread is blocked inside a collective.
+    faulthandler.register(signal.SIGUSR1, file=channels.stack.fileno(), all_threads=True)
+    faulthandler.enable(file=sys.stderr, all_threads=False)
+
+    threading.Thread(
+        target=_lifeline_watch, args=(channels.lifeline,), name="nb_dist-lifeline", daemon=True
+    ).start()
+
+    os.environ.update(spec.env)
+    os.environ[WORKER_ENV_FLAG] = str(spec.rank)
+
+
+def _die_with_parent(spec: WorkerSpec) -> None:
+    """Ask Linux to SIGKILL this worker when the process that started it dies."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+    # The parent may have died between fork and prctl; then nobody would ever kill us.
+    if spec.check_parent and os.getppid() != spec.parent_pid:
+        os._exit(1)
+
+
+def _lifeline_watch(lifeline: Connection) -> None:
+    """Block on the lifeline pipe; the kernel holds the only write end, so EOF means it died."""
+    try:
+        while True:
+            lifeline.recv_bytes()
+    except (EOFError, OSError):
+        pass
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _text_stream(fd: int) -> io.TextIOWrapper:
+    raw = io.FileIO(fd, "w", closefd=False)
+    return io.TextIOWrapper(
+        raw, encoding="utf-8", errors="backslashreplace", line_buffering=True, write_through=True
+    )
+
+
+def _close_quietly(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+def _close_inherited_listeners(keep: set[int]) -> None:
+    """Close listening sockets inherited from the kernel (its ZMQ ports, the rendezvous store).
+
+    A worker that outlives the kernel for a moment must not keep the kernel's ports bound, or a
+    restarted kernel cannot bind them again. Connected sockets a user opened are left alone.
+    """
+    try:
+        fds = [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError:
+        return
+    for fd in fds:
+        if fd <= 2 or fd in keep:
+            continue
+        try:
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                continue
+            sock = socket.socket(fileno=fd)
+        except OSError:
+            continue
+        try:
+            listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+        except OSError:
+            listening = 0
+        finally:
+            sock.detach()
+        if listening:
+            _close_quietly(fd)
+
+
+def _silence_inherited_display() -> None:
+    """Make ``display()`` in a forked worker print text, not publish on the kernel's iopub."""
+    ipython = sys.modules.get("IPython")
+    if ipython is None:
+        return
+    shell = ipython.get_ipython()
+    publisher = getattr(shell, "display_pub", None)
+    if publisher is None:
+        return
+
+    def publish(data: dict[str, Any], metadata: Any = None, **kwargs: Any) -> None:
+        text = data.get("text/plain")
+        if text is not None:
+            print(text)
+
+    publisher.publish = publish
+
+
+def _load_function(spec: WorkerSpec) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    if spec.payload is None:
+        assert spec.function is not None
+        return spec.function, spec.args
+    import linecache
+
+    linecache.cache.update(spec.linecache_entries)
+    for entry in reversed(spec.sys_path):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+    import cloudpickle
+
+    function, args = cloudpickle.loads(spec.payload)
+    return function, tuple(args)
+
+
+def _prepare_torch(spec: WorkerSpec) -> None:
+    import torch
+
+    if spec.threads is not None:
+        torch.set_num_threads(spec.threads)
+    if spec.use_gpu:
+        torch.cuda.set_device(spec.local_rank)
+    if spec.init_process_group:
+        import torch.distributed as dist
+
+        dist.init_process_group(backend=spec.backend)
+
+
+def _destroy_process_group() -> None:
+    """Destroy a process group the function left behind, so no warning is printed at exit."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _report_exception(control: Connection, exc: BaseException, spec: WorkerSpec) -> None:
+    failed_at = time.monotonic()
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    text = "".join(traceback.TracebackException(type(exc), exc, tb).format())
+    message = str(exc)
+    if spec.init_process_group and isinstance(exc, ValueError) and "twice" in message:
+        message = (
+            f"{message} The launcher already created the default process group in this worker "
+            "because the launch used init_process_group=True. Remove your own "
+            "torch.distributed.init_process_group(...) call, or launch with "
+            "init_process_group=False and keep it."
+        )
+    with contextlib.suppress(OSError, EOFError):
+        control.send(("error", _error_record(_type_name(exc), message, text, failed_at)))
+
+
+def _error_record(exc_type: str, message: str, text: str, failed_at: float) -> dict[str, Any]:
+    return {"exc_type": exc_type, "message": message, "traceback": text, "failed_at": failed_at}
+
+
+def _type_name(obj: object) -> str:
+    cls = obj if isinstance(obj, type) else type(obj)
+    module = cls.__module__
+    if module in ("builtins", "__main__", None):
+        return cls.__qualname__
+    return f"{module}.{cls.__qualname__}"
+
+
+class _CPUPickler(pickle.Pickler):
+    """Pickler that moves accelerator tensors to CPU, so the kernel never unpickles CUDA data."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
+            return obj.detach().cpu().__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+        return NotImplemented
+
+
+def _dumps_result(value: Any) -> bytes:
+    buffer = io.BytesIO()
+    _CPUPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
+    return buffer.getvalue()
+
+
+def _flush_all() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).fflush(None)  # C-level stdio buffers (printf from extensions)

@@ -1,0 +1,70 @@
+"""Shared fixtures: every test that launches must leave no process of its launch behind."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+import psutil
+import pytest
+
+# Keep ranks cheap on 2-core CI machines.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def _descendants() -> dict[int, str]:
+    found = {}
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE:
+                found[child.pid] = " ".join(child.cmdline()[:4])
+        except psutil.Error:
+            pass
+    return found
+
+
+def _is_helper(cmdline: str) -> bool:
+    # multiprocessing's long-lived helpers (forkserver, resource tracker) are not workers.
+    return "forkserver" in cmdline or "resource_tracker" in cmdline
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_processes():
+    """Fail the test if a process it started is still alive 3 s after it ended."""
+    before = set(_descendants())
+    yield
+    deadline = time.monotonic() + 3
+    left = {}
+    while time.monotonic() < deadline:
+        left = {
+            pid: cmd
+            for pid, cmd in _descendants().items()
+            if pid not in before and not _is_helper(cmd)
+        }
+        if not left:
+            return
+        time.sleep(0.05)
+    for pid in left:
+        with contextlib.suppress(psutil.Error):
+            psutil.Process(pid).kill()
+    pytest.fail(f"processes left behind by this test: {left}")
+
+
+def assert_all_gone(pids, within: float = 2.0) -> None:
+    """Assert that every pid has exited (or is a zombie) within ``within`` seconds."""
+    deadline = time.monotonic() + within
+    alive = list(pids)
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if _alive(p)]
+        if not alive:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"worker processes still alive after {within} s: {alive}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
