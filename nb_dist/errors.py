@@ -54,6 +54,10 @@ class RankOutcome:
         if self.status == "running":
             return f"rank {self.rank}: still running"
         what = f"{self.exc_type}: {self.message}" if self.exc_type else "the process died"
+        if self.exc_type:
+            # The exception is the cause; the exit that followed it (code 1, or the launcher's
+            # SIGTERM while the rank was exiting) would only mislead.
+            how = ""
         if self.status == "collateral":
             return f"rank {self.rank}: failed as a consequence: {what}{how}"
         return f"rank {self.rank}: failed: {what}{how}"

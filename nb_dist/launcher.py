@@ -288,7 +288,13 @@ def _rendezvous_address(
             )
         host, _, endpoint_port = endpoint.rpartition(":")
         master_addr = host.strip("[]")
-        port = preflight.check_port(endpoint_port)
+        try:
+            port = preflight.check_port(endpoint_port)
+        except ValueError:
+            raise ValueError(
+                f"rdzv_endpoint={endpoint!r} has no valid port after the ':'. Use 'host:port' "
+                "with a port from 1024 to 65535, e.g. '10.0.0.1:29500'."
+            ) from None
     return master_addr, port
 
 
@@ -302,8 +308,11 @@ def _threads(threads_per_process: int | None, nprocs: int) -> int | None:
     """Intra-op threads per worker so that N workers do not oversubscribe the cores."""
     if threads_per_process is not None:
         return threads_per_process
-    if os.environ.get("OMP_NUM_THREADS"):
-        return None  # the user decided; workers inherit the variable
+    user_value = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if user_value:
+        # The user decided. Apply it in the worker too: a forked worker keeps the kernel's
+        # torch thread pool, which ignores a variable set after torch was imported.
+        return int(user_value) if user_value.isdigit() and int(user_value) > 0 else None
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
@@ -380,9 +389,12 @@ def _worker_env(
             env["GLOO_SOCKET_IFNAME"] = interface
     if use_gpu:
         env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1"
+    else:
+        # Accelerate only picks MULTI_CPU (gloo, one process per rank) when told to use the
+        # CPU; without it, Accelerator() in each worker would see a single-process run.
+        env["ACCELERATE_USE_CPU"] = "true"
     if force_cpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
-        env["ACCELERATE_USE_CPU"] = "true"
     return env
 
 

@@ -54,7 +54,8 @@ def check_positive_int(name: str, value: object, hint: str) -> int:
 
 def check_node_rank(node_rank: object, num_nodes: int) -> int:
     if isinstance(node_rank, bool) or not isinstance(node_rank, int) or node_rank < 0:
-        raise TypeError(
+        is_int = isinstance(node_rank, int) and not isinstance(node_rank, bool)
+        raise (ValueError if is_int else TypeError)(
             f"node_rank={node_rank!r} must be a whole number from 0 to num_nodes - 1 "
             "(0 on the first machine)."
         )

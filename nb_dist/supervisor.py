@@ -12,6 +12,7 @@ import contextlib
 import multiprocessing
 import os
 import pickle
+import re
 import selectors
 import signal
 import subprocess
@@ -34,6 +35,9 @@ STOP_GRACE = 0.4
 DRAIN_AFTER_EXIT = 1.0
 # A partial line (no newline yet) is shown after this long anyway.
 PARTIAL_LINE_AFTER = 1.0
+
+_CRASH_FRAME = re.compile(r'^\s+File "(?P<file>[^"]*)", line \d+ in ')
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 _COLLATERAL_TYPES = ("DistBackendError", "DistNetworkError", "DistStoreError")
 _COLLATERAL_TEXT = (
@@ -209,6 +213,10 @@ class Supervisor:
             if deadline is not None and now >= deadline and any(w.alive for w in self.workers):
                 return True
             wait = self.config.poll_interval
+            if any(w.alive and w.control_closed_at is not None for w in self.workers):
+                # Its pipes are closed, so it is exiting, and no event will wake the select:
+                # reap it within milliseconds, not a whole poll interval (~0.1 s per launch).
+                wait = min(wait, 0.002)
             if deadline is not None:
                 wait = max(0.0, min(wait, deadline - now))
             self._pump(wait)
@@ -339,7 +347,8 @@ class Supervisor:
             return
         for worker in self.workers:
             failed_exit = not worker.alive and worker.returncode != 0 and not worker.stop_requested
-            if worker.error is not None or failed_exit:
+            ended_badly = worker.finalized and worker.outcome.status == "failed"
+            if worker.error is not None or failed_exit or ended_badly:
                 self._failure_seen = True
                 self._stop_all()
                 return
@@ -631,6 +640,27 @@ def _looks_collateral(outcome: RankOutcome) -> bool:
     return any(t in kind for t in _COLLATERAL_TYPES) or any(t in text for t in _COLLATERAL_TEXT)
 
 
+def _last_output(log: str) -> list[str]:
+    """The end of a dead rank's output; for a crash, faulthandler's report up to the user code.
+
+    A forked worker's crash report continues below the user's frames with the launcher's and
+    the inherited kernel's frames (dozens in Jupyter), which would push the "Fatal Python error"
+    line and the user's frames out of a plain tail.
+    """
+    lines = log.rstrip().splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("Fatal Python error:")]
+    if not starts:
+        return lines[-15:]
+    start = starts[-1]
+    crash = []
+    for line in lines[start:]:
+        frame = _CRASH_FRAME.match(line)
+        if frame and os.path.dirname(os.path.abspath(frame["file"])) == _PACKAGE_DIR:
+            break  # the launcher's frames, then the kernel's inherited ones
+        crash.append(relabel_cells(line))
+    return lines[max(0, start - 5) : start] + crash[:40]
+
+
 def _failure_message(root: RankOutcome, outcomes: list[RankOutcome], root_log: str) -> str:
     if root.exc_type:
         head = f"rank {root.rank} failed first: {root.exc_type}: {root.message}"
@@ -644,7 +674,7 @@ def _failure_message(root: RankOutcome, outcomes: list[RankOutcome], root_log: s
     if root.traceback:
         parts.append(f"\nTraceback of rank {root.rank}:\n{root.traceback.rstrip()}")
     elif root_log.strip():
-        tail = root_log.rstrip().splitlines()[-15:]
+        tail = _last_output(root_log)
         parts.append(f"\nLast output of rank {root.rank}:\n" + "\n".join(tail))
     others = [o for o in outcomes if o is not root]
     if others:

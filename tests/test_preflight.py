@@ -1,0 +1,429 @@
+"""Refusals: every launch that cannot work is refused before any worker starts.
+
+Each refusal is checked for its exception type and for a message that names the parameter,
+the value and the fix. "No worker started" is proven with a marker file that the launched
+function would create, and by the autouse fixture that fails a test leaving processes behind.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import nb_dist
+from nb_dist import UnsafeLaunchError, WorkerFailedError, notebook_launcher
+
+
+# ---------------------------------------------------------------- worker functions
+def _touch_marker(path):
+    """Leave proof that a worker ran."""
+    Path(path).write_text(str(os.getpid()))
+    return os.getpid()
+
+
+def _allreduce_sum():
+    dist.init_process_group()
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _master_port():
+    return os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"]
+
+
+def _mixed_precision_seen():
+    return os.environ["ACCELERATE_MIXED_PRECISION"], nb_dist.mixed_precision()
+
+
+def _nested_launch(path):
+    return notebook_launcher(_touch_marker, args=(path,), num_processes=1)
+
+
+# ---------------------------------------------------------------- helpers
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _refused(tmp_path, exc_type, **kwargs):
+    """Launch ``_touch_marker`` with ``kwargs``; return the error and prove nothing ran."""
+    marker = tmp_path / "ran"
+    launch = {"args": (str(marker),), "num_processes": 2, **kwargs}
+    with pytest.raises(exc_type) as info:
+        notebook_launcher(_touch_marker, **launch)
+    assert type(info.value) is exc_type, f"{type(info.value).__name__}: {info.value}"
+    assert not marker.exists(), "a worker ran although the launch was refused"
+    return str(info.value)
+
+
+def _assert_mentions(message: str, *fragments: str) -> None:
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in message:\n{message}"
+
+
+# ---------------------------------------------------------------- arguments
+def test_function_not_callable_is_refused():
+    """Passing the result of a call instead of the function names the value and the fix."""
+    with pytest.raises(TypeError) as info:
+        notebook_launcher(42, num_processes=2)
+    _assert_mentions(
+        str(info.value), "function=42", "(a int)", "not callable", "without calling it"
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "shown", "fix"),
+    [(5, "args=5 (a int)", "args=(5,)"), ("ab", "args='ab' (a str)", "args=('ab',)")],
+)
+def test_args_must_be_tuple_or_list(tmp_path, args, shown, fix):
+    """args that is not a tuple/list is refused with the one-tuple spelling as the fix."""
+    message = _refused(tmp_path, TypeError, args=args)
+    _assert_mentions(message, shown, "must be a tuple or list", fix, "with the comma")
+
+
+@pytest.mark.parametrize(
+    ("value", "exc_type"),
+    [(0, ValueError), (-1, ValueError), ("2", TypeError), (2.5, TypeError), (True, TypeError)],
+)
+def test_num_processes_must_be_positive_int(tmp_path, value, exc_type):
+    """num_processes 0, -1, '2', 2.5 and True are refused, naming the value and a good choice."""
+    message = _refused(tmp_path, exc_type, num_processes=value)
+    _assert_mentions(
+        message, f"num_processes={value!r}", "positive whole number", "2 to 4 is a good choice"
+    )
+
+
+@pytest.mark.skipif(torch.cuda.device_count() > 0, reason="a GPU is visible")
+def test_num_processes_none_needs_a_gpu(tmp_path):
+    """num_processes=None means one per GPU; on a CPU machine it asks for a number."""
+    message = _refused(tmp_path, ValueError, num_processes=None)
+    _assert_mentions(message, "num_processes=None", "one process per GPU", "num_processes=2")
+
+
+def test_node_rank_must_be_below_num_nodes(tmp_path):
+    """node_rank >= num_nodes names both values and the valid range."""
+    message = _refused(tmp_path, ValueError, node_rank=2, num_nodes=2, use_port=29500)
+    _assert_mentions(message, "node_rank=2", "num_nodes=2", "0 to 1", "its own node_rank")
+
+
+@pytest.mark.parametrize(("value", "exc_type"), [(-1, ValueError), ("0", TypeError)])
+def test_node_rank_must_be_non_negative_int(tmp_path, value, exc_type):
+    """A negative or non-integer node_rank is refused, saying 0 is the first machine."""
+    message = _refused(tmp_path, exc_type, node_rank=value)
+    _assert_mentions(message, f"node_rank={value!r}", "0 to num_nodes - 1", "0 on the first")
+
+
+def test_unknown_mixed_precision_is_refused(tmp_path):
+    """mixed_precision='fp8' lists the supported choices."""
+    message = _refused(tmp_path, ValueError, mixed_precision="fp8")
+    _assert_mentions(
+        message, "mixed_precision='fp8'", "'no'", "'fp16'", "'bf16'", "case does not matter"
+    )
+
+
+def test_mixed_precision_is_case_insensitive():
+    """mixed_precision='BF16' is accepted and reaches the workers as 'bf16'."""
+    result = notebook_launcher(_mixed_precision_seen, num_processes=1, mixed_precision="BF16")
+    assert result[0] == ("bf16", "bf16")
+
+
+@pytest.mark.parametrize("value", ["abc", 70000, 0, True])
+def test_invalid_use_port_is_refused(tmp_path, value):
+    """use_port that is not a TCP port names the value, the range and the automatic choice."""
+    message = _refused(tmp_path, ValueError, use_port=value)
+    _assert_mentions(
+        message, f"use_port={value!r}", "not a valid TCP port", "1024 to 65535", "leave use_port"
+    )
+
+
+def test_port_busy_in_this_process_is_refused(tmp_path):
+    """A port this process listens on is refused as held 'by this kernel'."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        message = _refused(tmp_path, UnsafeLaunchError, use_port=port)
+    _assert_mentions(
+        message,
+        f"Port {port} (use_port={port}) is already in use",
+        "by this kernel",
+        "Leave use_port unset",
+    )
+
+
+def test_port_busy_in_another_process_names_its_pid(tmp_path):
+    """A port another process listens on is refused, naming that process' pid."""
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import socket, time\n"
+            "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen()\n"
+            "print(s.getsockname()[1], flush=True); time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        port = int(holder.stdout.readline())
+        message = _refused(tmp_path, UnsafeLaunchError, use_port=port)
+        _assert_mentions(
+            message,
+            f"Port {port} (use_port={port}) is already in use",
+            f"by process {holder.pid} (",
+            "choose another port",
+        )
+        assert "by this kernel" not in message
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()
+
+
+def test_multi_node_needs_explicit_port(tmp_path):
+    """num_nodes=2 without use_port asks for the same explicit port on every node."""
+    message = _refused(tmp_path, ValueError, num_nodes=2)
+    _assert_mentions(message, "use_port=None", "num_nodes=2", "use_port=29500", "every node")
+
+
+def test_max_restarts_with_multi_node_is_refused(tmp_path):
+    """max_restarts with num_nodes>1 points to max_restarts=0 or torchrun."""
+    message = _refused(tmp_path, ValueError, num_nodes=2, use_port=29500, max_restarts=1)
+    _assert_mentions(
+        message, "max_restarts=1", "num_nodes=2", "max_restarts=0", "torchrun", "--max-restarts"
+    )
+
+
+def test_c10d_rendezvous_is_refused(tmp_path):
+    """rdzv_backend='c10d' is refused, naming the static default and torchrun for elastic jobs."""
+    message = _refused(tmp_path, ValueError, rdzv_backend="c10d")
+    _assert_mentions(
+        message, "rdzv_backend='c10d'", "not supported", "Leave rdzv_backend unset", "torchrun"
+    )
+    assert "--rdzv-backend=c10d" in message
+
+
+def test_rdzv_conf_is_refused(tmp_path):
+    """A non-empty rdzv_conf is refused, suggesting timeout= instead."""
+    message = _refused(tmp_path, ValueError, rdzv_conf={"join_timeout": 900})
+    _assert_mentions(
+        message, "rdzv_conf={'join_timeout': 900}", "not supported", "Leave it unset", "timeout="
+    )
+
+
+@pytest.mark.parametrize("endpoint", ["10.0.0.1", "10.0.0.1:port", "10.0.0.1:99999"])
+def test_malformed_rdzv_endpoint_is_refused(tmp_path, endpoint):
+    """rdzv_endpoint must be 'host:port'; the message names rdzv_endpoint, not use_port."""
+    message = _refused(tmp_path, ValueError, rdzv_endpoint=endpoint)
+    _assert_mentions(message, f"rdzv_endpoint={endpoint!r}", "host:port", "10.0.0.1:29500")
+    assert "use_port=" not in message
+
+
+def test_rdzv_endpoint_is_honoured():
+    """rdzv_endpoint='127.0.0.1:P' makes the launch rendezvous on port P."""
+    port = _free_port()
+    result = notebook_launcher(_master_port, num_processes=2, rdzv_endpoint=f"127.0.0.1:{port}")
+    assert result.port == port
+    assert list(result) == [("127.0.0.1", str(port))] * 2
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "choices"),
+    [
+        ("start_method", "thread", "'fork', 'spawn', 'forkserver'"),
+        ("output", "rank1", "'all', 'rank0', 'none'"),
+        ("device", "tpu", "'auto', 'cpu', 'cuda'"),
+        ("device", None, "'auto', 'cpu', 'cuda'"),
+    ],
+)
+def test_invalid_choice_is_refused(tmp_path, name, value, choices):
+    """start_method/output/device outside their choices list the valid ones."""
+    message = _refused(tmp_path, ValueError, **{name: value})
+    _assert_mentions(message, f"{name}={value!r}", "is not supported", f"Use one of {choices}")
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("timeout", 0),
+        ("timeout", -1),
+        ("timeout", "10"),
+        ("timeout", True),
+        ("monitor_interval", 0),
+        ("monitor_interval", "0.1"),
+        ("hang_notice_after", -5),
+        ("hang_notice_after", 0.0),
+    ],
+)
+def test_invalid_seconds_are_refused(tmp_path, name, value):
+    """timeout/monitor_interval/hang_notice_after must be positive seconds or None."""
+    message = _refused(tmp_path, ValueError, **{name: value})
+    _assert_mentions(message, f"{name}={value!r}", "positive number of seconds, or None")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc_type", "fragments"),
+    [
+        ({"max_restarts": -1}, ValueError, ["max_restarts=-1", "0 or more"]),
+        ({"num_nodes": 0}, ValueError, ["num_nodes=0", "num_nodes=1 for a launch"]),
+        (
+            {"threads_per_process": 0},
+            ValueError,
+            ["threads_per_process=0", "leave it unset for cores / workers"],
+        ),
+        ({"init_process_group": "yes"}, TypeError, ["init_process_group='yes'", "True or False"]),
+        ({"master_addr": ""}, TypeError, ["master_addr=''", "IP address string"]),
+    ],
+)
+def test_other_invalid_arguments_are_refused(tmp_path, kwargs, exc_type, fragments):
+    """max_restarts, num_nodes, threads_per_process, init_process_group, master_addr."""
+    _assert_mentions(_refused(tmp_path, exc_type, **kwargs), *fragments)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() > 0, reason="a GPU is visible")
+def test_device_cuda_without_gpu_is_refused(tmp_path):
+    """device='cuda' on a machine without GPU suggests device='cpu'."""
+    message = _refused(tmp_path, ValueError, device="cuda")
+    _assert_mentions(message, "device='cuda'", "no GPU is visible", "device='cpu'")
+
+
+# ---------------------------------------------------------------- kernel state
+def test_initialized_process_group_is_refused(tmp_path, monkeypatch):
+    """A process group in the caller is refused with the destroy_process_group way out."""
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    store = dist.FileStore(str(tmp_path / "pg_store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        message = _refused(tmp_path, UnsafeLaunchError)
+        _assert_mentions(
+            message,
+            "process group is already initialized",
+            "backend 'gloo', world size 1",
+            "torch.distributed.destroy_process_group()",
+            "keep init_process_group inside the launched function",
+        )
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    # Following the advice is enough: the workers can create their own group.
+    assert list(notebook_launcher(_allreduce_sum, num_processes=2)) == [3.0, 3.0]
+
+
+@pytest.mark.parametrize("kind", ["PartialState", "Accelerator"])
+def test_accelerate_state_is_refused(tmp_path, kind):
+    """An Accelerate state in the caller is refused; the _reset_state advice makes it work."""
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState, GradientState
+
+    saved_env = dict(os.environ)
+    try:
+        if kind == "PartialState":
+            accelerate.PartialState(cpu=True)
+            names = "PartialState"
+        else:
+            accelerate.Accelerator(cpu=True)
+            names = "AcceleratorState and PartialState"
+        message = _refused(tmp_path, UnsafeLaunchError)
+        _assert_mentions(
+            message,
+            f"An Accelerate {names} already exists",
+            "Create the Accelerator inside the launched function",
+            "from accelerate.state import AcceleratorState",
+            "AcceleratorState._reset_state(reset_partial_state=True)",
+        )
+        # Do exactly what the message says, then launch again.
+        AcceleratorState._reset_state(reset_partial_state=True)
+        marker = tmp_path / "after_reset"
+        result = notebook_launcher(_touch_marker, args=(str(marker),), num_processes=1)
+        assert marker.read_text() == str(result[0])
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(saved_env)
+
+
+def test_nested_launch_is_refused(tmp_path):
+    """A worker that calls notebook_launcher fails with UnsafeLaunchError as the root cause."""
+    marker = tmp_path / "inner_ran"
+    with pytest.raises(WorkerFailedError) as info:
+        notebook_launcher(_nested_launch, args=(str(marker),), num_processes=1)
+    root = info.value.root_cause
+    assert root.rank == 0
+    assert root.exc_type == "nb_dist.errors.UnsafeLaunchError"
+    _assert_mentions(
+        root.message, "inside a launched worker (rank 0)", "from the notebook (the kernel) only"
+    )
+    assert str(info.value).startswith("rank 0 failed first: nb_dist.errors.UnsafeLaunchError: ")
+    assert not marker.exists()
+
+
+# ---------------------------------------------------------------- CUDA
+def test_probe_cuda_on_cpu_build_is_quick_and_clean():
+    """On a CPU build of torch, probe_cuda reports no GPU and no poisoning, without forking."""
+    if torch.version.cuda or getattr(torch.version, "hip", None):
+        pytest.skip("torch is built with CUDA/ROCm")
+    began = time.monotonic()
+    state = nb_dist.preflight.probe_cuda()
+    elapsed = time.monotonic() - began
+    assert (state.gpus, state.poisoned, state.where) == (0, False, None)
+    assert elapsed < 0.5
+
+
+_POISONED_SCRIPT = textwrap.dedent(
+    """
+    import os
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "0"
+    import nb_dist
+    import torch
+
+    def count():
+        return torch.cuda.device_count()
+
+    torch.cuda.is_available()  # poisons fork: cudaGetDeviceCount in the parent
+    try:
+        nb_dist.notebook_launcher(count, num_processes=1)
+    except nb_dist.UnsafeLaunchError as exc:
+        print("REFUSED:", exc, flush=True)
+    result = nb_dist.notebook_launcher(count, num_processes=1, start_method="spawn")
+    print("SPAWNED:", list(result), flush=True)
+    """
+)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+def test_cuda_touched_in_caller_refuses_fork_and_allows_spawn(tmp_path):
+    """torch.cuda.is_available() in the caller: fork is refused naming the line; spawn works."""
+    if not torch.version.cuda:
+        pytest.skip("torch is not built with CUDA")
+    nvml = getattr(torch.cuda, "_device_count_nvml", None)
+    if nvml is None or nvml() < 1:
+        pytest.skip("NVML sees no GPU")
+    script = tmp_path / "poisoned.py"
+    script.write_text(_POISONED_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=100
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    _assert_mentions(
+        done.stdout,
+        "REFUSED: CUDA was already initialized in this kernel",
+        "torch.cuda.is_available()",
+        "poisoned.py, line 10",
+        "start_method='spawn'",
+        "SPAWNED: [",
+    )
