@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = [
     "LaunchError",
@@ -65,6 +66,9 @@ class RankOutcome:
 
 class LaunchError(RuntimeError):
     """Base class of every error the launcher raises about a launch."""
+
+    #: Values reported with ``nb_dist.report`` before the failure (a ``Reports``), if any.
+    reports: Any = None
 
 
 class UnsafeLaunchError(LaunchError):

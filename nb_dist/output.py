@@ -11,7 +11,7 @@ import codecs
 import string
 import sys
 import time
-from typing import TextIO
+from typing import Any, TextIO
 
 OUTPUT_MODES = ("all", "rank0", "none")
 DEFAULT_PREFIX = "[rank ${rank}] "
@@ -73,6 +73,7 @@ class OutputRouter:
         self._stdout = stdout
         self._stderr = stderr
         self.logs: list[list[str]] = [[] for _ in ranks]
+        self.observer: Any = None  # a live view that also wants every line (the monitor)
 
     def _stream(self, name: str) -> TextIO:
         # Looked up at write time: IPython swaps sys.stdout per cell.
@@ -89,6 +90,8 @@ class OutputRouter:
         if not lines:
             return
         self.logs[local_rank].extend(lines)
+        if self.observer is not None:
+            self.observer.lines(local_rank, stream, lines)
         if self.shows(local_rank):
             prefix = self._prefixes[local_rank]
             out = self._stream(stream)

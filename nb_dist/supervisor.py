@@ -26,6 +26,7 @@ from typing import Any
 
 from .errors import LaunchTimeoutError, RankOutcome, WorkerFailedError
 from .output import LineSplitter, OutputRouter
+from .reporting import Reports
 from .tracebacks import format_frames, innermost_user_frame, parse_fault_dump, relabel_cells
 from .worker import WorkerChannels, WorkerSpec, forkserver_main, run_worker
 
@@ -69,11 +70,13 @@ class AttemptConfig:
     poll_interval: float
     payload: bytes | None = None
     linecache_entries: dict[str, Any] = field(default_factory=dict)
+    observer: Any = None  # a live view (the launch monitor), see nb_dist/monitor.py
 
 
 @dataclass
 class AttemptResult:
     values: list[Any]
+    reports: Reports
     outcomes: list[RankOutcome]
     durations: list[float | None]
 
@@ -119,6 +122,8 @@ class Supervisor:
         self._first_finish: float | None = None
         self._hang_noticed: set[int] = set()
         self._failure_seen = False
+        self.reports = Reports()
+        self.observer = config.observer
 
     # ----------------------------------------------------------------- public
     def run(self) -> AttemptResult:
@@ -257,9 +262,22 @@ class Supervisor:
             worker.control_closed_at = time.monotonic()
             return
         tag = message[0]
-        if tag == "hello":
+        if tag == "reports":
+            rank = worker.outcome.rank
+            entries = [
+                (name, self.reports.add(rank, name, step, when, value))
+                for name, step, when, value in message[1]
+            ]
+            if self.observer is not None:
+                self.observer.reports(worker.local_rank, entries)
+        elif tag == "progress":
+            if self.observer is not None:
+                self.observer.progress(worker.local_rank, *message[1:])
+        elif tag == "hello":
             worker.main_ident = message[2]
             worker.outcome.status = "running"
+            if self.observer is not None:
+                self.observer.started(worker.local_rank)
         elif tag == "error":
             worker.error = message[1]
         elif tag == "result":
@@ -333,6 +351,8 @@ class Supervisor:
                 out.message = "the process ended without returning from the function (os._exit?)"
             else:
                 out.message = f"the process exited with code {code} before returning"
+        if self.observer is not None:
+            self.observer.finished(worker.local_rank, out)
 
     def _flush_stale_partials(self) -> None:
         now = time.monotonic()
@@ -467,6 +487,7 @@ class Supervisor:
         if all(o.status == "ok" for o in outcomes):
             return AttemptResult(
                 values=[w.value for w in self.workers],
+                reports=self.reports,
                 outcomes=outcomes,
                 durations=[w.duration for w in self.workers],
             )
@@ -481,9 +502,11 @@ class Supervisor:
             if outcome is not root and _looks_collateral(outcome):
                 outcome.status = "collateral"
         logs = [self.router.log_text(w.local_rank) for w in self.workers]
-        return WorkerFailedError(
+        error = WorkerFailedError(
             _failure_message(root, outcomes, logs[root.local_rank]), root, outcomes, logs
         )
+        error.reports = self.reports
+        return error
 
     def _timeout_error(self) -> LaunchTimeoutError:
         live = [w for w in self.workers if w.alive]
@@ -514,7 +537,9 @@ class Supervisor:
         )
         logs = [self.router.log_text(w.local_rank) for w in self.workers]
         outcomes = [w.outcome for w in self.workers]
-        return LaunchTimeoutError("\n".join(lines), timeout, stacks, outcomes, logs)
+        error = LaunchTimeoutError("\n".join(lines), timeout, stacks, outcomes, logs)
+        error.reports = self.reports
+        return error
 
 
 # --------------------------------------------------------------------- helpers
@@ -676,6 +701,13 @@ def _failure_message(root: RankOutcome, outcomes: list[RankOutcome], root_log: s
     elif root_log.strip():
         tail = _last_output(root_log)
         parts.append(f"\nLast output of rank {root.rank}:\n" + "\n".join(tail))
+    finished = [o.rank for o in outcomes if o.status == "ok"]
+    if _looks_collateral(root) and finished:
+        parts.append(
+            f"\nRank {root.rank} lost its connection while ranks {finished} had already "
+            "finished: this is how a collective that some ranks skip (or call fewer times) "
+            "ends. Make every rank call the same collectives, the same number of times."
+        )
     others = [o for o in outcomes if o is not root]
     if others:
         parts.append("\nThe other ranks:\n" + "\n".join(o.describe() for o in others))

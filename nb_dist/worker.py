@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
+from . import reporting
+
 # Set in a worker so that a launch from inside a worker is refused (see preflight).
 WORKER_ENV_FLAG = "NB_DIST_WORKER_RANK"
 
@@ -97,6 +99,7 @@ def _run(spec: WorkerSpec, channels: WorkerChannels, forked: bool) -> int:
     _detach_from_kernel(spec, channels, forked)
     control = channels.control
     control.send(("hello", os.getpid(), threading.main_thread().ident, time.monotonic()))
+    sink = reporting.install_sink(control, spec.rank)
 
     started = time.monotonic()
     try:
@@ -110,8 +113,10 @@ def _run(spec: WorkerSpec, channels: WorkerChannels, forked: bool) -> int:
             value = None  # sys.exit(0) in a worker is a normal end, as under torchrun
         _destroy_process_group()
     except BaseException as exc:
+        sink.close()  # reports made before the failure still reach the kernel, first
         _report_exception(control, exc, spec)
         return 1
+    sink.close()
     _flush_all()
     try:
         data = _dumps_result(value)

@@ -1,0 +1,634 @@
+"""Ring all-reduce, one step at a time.
+
+``dist.all_reduce(t)`` leaves the elementwise **sum** of every rank's ``t`` on every rank (DDP then
+divides by the world size itself to get the average: averaging is a separate division). A
+ring implementation does it without any rank ever holding everything:
+
+* every buffer is cut into ``N`` chunks (``N`` = number of ranks; when the length does not divide,
+  the first chunks are one element longer, as ``torch.tensor_split``/``numpy.array_split`` do);
+* **reduce-scatter**, ``N-1`` steps: at step ``s`` rank ``r`` sends chunk ``(r - s) mod N`` to
+  rank ``r+1``, which adds it to its own copy. Afterwards rank ``r`` owns the complete sum of chunk
+  ``(r + 1) mod N``;
+* **all-gather**, ``N-1`` steps: at step ``s`` rank ``r`` sends chunk ``(r + 1 - s) mod N`` to rank
+  ``r+1``, which overwrites its copy. Afterwards every rank holds every complete chunk.
+
+Every rank sends ``2(N-1)`` chunks, about ``2(N-1)/N`` times its buffer size, whatever ``N``:
+that is why ring all-reduce scales. A naive "everyone sends everything to everyone" costs
+``(N-1)`` buffer sizes per rank.
+
+:func:`ring_allreduce_steps` is the pure simulation; :class:`AllReduceStepper` shows it with
+Play/Step/Reset controls, a text summary and a matplotlib ring diagram.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._display import _new_figure, _WidgetView, figure_png
+from .colors import rank_color, text_color_on
+
+__all__ = ["AllReduceStepper", "RingStep", "chunk_bounds", "ring_allreduce_steps"]
+
+REDUCE_SCATTER = "reduce-scatter"
+ALL_GATHER = "all-gather"
+DIVIDE = "divide"
+
+
+@dataclass(frozen=True)
+class RingStep:
+    """One step of a ring all-reduce.
+
+    Attributes:
+        phase (`str`): ``"reduce-scatter"``, ``"all-gather"``, or ``"divide"`` (the final
+            local division by ``N`` for ``op="avg"``; nothing is sent).
+        index (`int`): 1-based position among all steps (step 0 is the initial state).
+        phase_step (`int`): 1-based position within its phase.
+        sends (`list[tuple[int, int, int, int]]`): ``(src, dst, chunk_idx, nbytes)`` per message.
+        buffers (`list[list[float]]`): every rank's buffer *after* this step.
+        contributors (`list[list[tuple[int, ...]]]`): for each rank and chunk, the ranks whose
+            data that chunk now sums (complete when it holds all ``N`` ranks).
+    """
+
+    phase: str
+    index: int
+    phase_step: int
+    sends: list[tuple[int, int, int, int]]
+    buffers: list[list[float]]
+    contributors: list[list[tuple[int, ...]]] = field(repr=False)
+
+    def bytes_sent(self, rank: int) -> int:
+        """Bytes ``rank`` sends in this step."""
+        return sum(nbytes for src, _dst, _chunk, nbytes in self.sends if src == rank)
+
+
+def chunk_bounds(length: int, n: int) -> list[tuple[int, int]]:
+    """``[(start, stop), ...]`` of ``n`` chunks covering ``range(length)``.
+
+    Like ``torch.tensor_split(t, n)``: the first ``length % n`` chunks get one extra element,
+    and chunks may be empty when ``length < n``.
+
+    >>> chunk_bounds(10, 4)
+    [(0, 3), (3, 6), (6, 8), (8, 10)]
+    """
+    base, extra = divmod(length, n)
+    bounds, start = [], 0
+    for c in range(n):
+        stop = start + base + (1 if c < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+def _as_lists(buffers: Sequence[Any]) -> tuple[list[list[float]], int | None]:
+    """Copy buffers (tensors, arrays or lists) to lists of numbers, plus the tensors' itemsize."""
+    itemsize = None
+    out = []
+    for b in buffers:
+        if hasattr(b, "element_size") and hasattr(b, "tolist"):  # torch.Tensor
+            itemsize = itemsize or int(b.element_size())
+            values = b.detach().cpu().reshape(-1).tolist()
+        elif hasattr(b, "tolist"):  # numpy array
+            itemsize = itemsize or int(getattr(b, "itemsize", 4))
+            values = list(b.reshape(-1).tolist())
+        else:
+            values = list(b)
+        out.append(values)
+    return out, itemsize
+
+
+def _check_buffers(buffers: list[list[float]]) -> None:
+    if not 2 <= len(buffers) <= 8:
+        raise ValueError(
+            f"ring all-reduce needs 2 to 8 ranks' buffers, got {len(buffers)} "
+            "(pass one 1-D buffer per rank, e.g. [[1, 2, 3], [2, 3, 4]])"
+        )
+    lengths = {len(b) for b in buffers}
+    if len(lengths) != 1:
+        raise ValueError(
+            f"every rank's buffer must have the same length for all_reduce, got lengths "
+            f"{[len(b) for b in buffers]}"
+        )
+    if not lengths.pop():
+        raise ValueError("the buffers are empty; give every rank at least one element")
+
+
+def ring_allreduce_steps(
+    buffers: Sequence[Any], op: str = "sum", itemsize: int | None = None
+) -> list[RingStep]:
+    """Simulate ring all-reduce on ``N`` ranks' buffers and return every step.
+
+    Args:
+        buffers: one equal-length 1-D buffer per rank (lists, tensors or arrays), 2 to 8 ranks.
+        op (`str`): ``"sum"`` (what ``dist.all_reduce`` does by default) or ``"avg"`` (sum, then
+            a final local division by ``N`` as its own ``"divide"`` step).
+        itemsize (`int`, *optional*): bytes per element; by default the tensors' element size,
+            or 4 (float32) for plain lists.
+
+    Returns:
+        ``2(N-1)`` steps (``N-1`` reduce-scatter then ``N-1`` all-gather), plus one ``"divide"``
+        step for ``op="avg"``. The last step's buffers are the reduced result on every rank.
+
+    >>> ring_allreduce_steps([[1, 2, 3], [2, 3, 4], [3, 4, 5], [4, 5, 6]])[-1].buffers[0]
+    [10, 14, 18]
+    """
+    if op not in ("sum", "avg"):
+        raise ValueError(f"op={op!r} is not supported; use op='sum' or op='avg'")
+    state, tensor_itemsize = _as_lists(buffers)
+    _check_buffers(state)
+    itemsize = itemsize or tensor_itemsize or 4
+    n = len(state)
+    bounds = chunk_bounds(len(state[0]), n)
+    contrib: list[list[frozenset[int]]] = [[frozenset([r])] * n for r in range(n)]
+    steps: list[RingStep] = []
+
+    def snapshot(phase: str, phase_step: int, sends: list[tuple[int, int, int, int]]) -> None:
+        steps.append(
+            RingStep(
+                phase=phase,
+                index=len(steps) + 1,
+                phase_step=phase_step,
+                sends=sends,
+                buffers=[list(b) for b in state],
+                contributors=[[tuple(sorted(c)) for c in row] for row in contrib],
+            )
+        )
+
+    for phase in (REDUCE_SCATTER, ALL_GATHER):
+        for s in range(n - 1):
+            offset = -s if phase == REDUCE_SCATTER else 1 - s
+            # All sends of one step happen at the same time: read every payload first.
+            messages = []
+            for src in range(n):
+                chunk = (src + offset) % n
+                start, stop = bounds[chunk]
+                messages.append(
+                    (src, (src + 1) % n, chunk, state[src][start:stop], contrib[src][chunk])
+                )
+            sends = []
+            for src, dst, chunk, payload, who in messages:
+                start, stop = bounds[chunk]
+                if phase == REDUCE_SCATTER:
+                    state[dst][start:stop] = [
+                        a + b for a, b in zip(state[dst][start:stop], payload, strict=True)
+                    ]
+                    contrib[dst][chunk] = contrib[dst][chunk] | who
+                else:
+                    state[dst][start:stop] = payload
+                    contrib[dst][chunk] = who
+                sends.append((src, dst, chunk, (stop - start) * itemsize))
+            snapshot(phase, s + 1, sends)
+    if op == "avg":
+        state = [[v / n for v in b] for b in state]
+        snapshot(DIVIDE, 1, [])
+    return steps
+
+
+class AllReduceStepper(_WidgetView):
+    """Step through a ring all-reduce of ``N`` ranks' buffers.
+
+    Args:
+        buffers: one equal-length 1-D buffer per rank (2 to 8 ranks). Default: the 4-rank
+            example ``[1,2,3], [2,3,4], [3,4,5], [4,5,6]`` (sum ``[10,14,18]``, average
+            ``[2.5,3.5,4.5]``).
+        op (`str`): ``"sum"`` or ``"avg"`` (sum, then divide by ``N``).
+        itemsize (`int`, *optional*): bytes per element (default: tensor element size, else 4).
+        step (`int`): the step shown first (0 = before anything is sent).
+
+    Controls: ``play`` (``ipywidgets.Play``), ``step`` (``IntSlider``, linked to ``play``),
+    ``next`` and ``reset`` buttons, ``op`` (``ToggleButtons``) and ``ring`` (show the ring
+    diagram as an image, off by default because drawing it costs a fraction of a second).
+    """
+
+    _css_class = "nb-dist-allreduce-stepper"
+
+    def __init__(
+        self,
+        buffers: Sequence[Any] | None = None,
+        op: str = "sum",
+        itemsize: int | None = None,
+        step: int = 0,
+    ) -> None:
+        super().__init__()
+        if buffers is None:
+            buffers = [[1, 2, 3], [2, 3, 4], [3, 4, 5], [4, 5, 6]]
+        self.initial, tensor_itemsize = _as_lists(buffers)
+        _check_buffers(self.initial)
+        self.itemsize = itemsize or tensor_itemsize or 4
+        self.op = op
+        self.steps = ring_allreduce_steps(self.initial, op=op, itemsize=self.itemsize)
+        self.step = 0
+        self._syncing = False
+        self.go_to(step)
+
+    # ---- model ------------------------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        return len(self.initial)
+
+    @property
+    def num_steps(self) -> int:
+        """Number of steps after the initial state (``2(N-1)``, plus 1 for ``op="avg"``)."""
+        return len(self.steps)
+
+    def go_to(self, step: int) -> AllReduceStepper:
+        """Show ``step`` (0 = initial state, ``num_steps`` = finished)."""
+        if not 0 <= step <= self.num_steps:
+            raise ValueError(f"step={step!r} must be between 0 and {self.num_steps}")
+        self.step = step
+        self._sync_controls()
+        self._refresh()
+        return self
+
+    def next(self) -> AllReduceStepper:
+        """Advance one step (stays at the end)."""
+        return self.go_to(min(self.step + 1, self.num_steps))
+
+    def reset(self) -> AllReduceStepper:
+        """Back to the initial state."""
+        return self.go_to(0)
+
+    def set_op(self, op: str) -> AllReduceStepper:
+        """Switch between ``"sum"`` and ``"avg"`` (recomputes the steps, keeps the position)."""
+        self.steps = ring_allreduce_steps(self.initial, op=op, itemsize=self.itemsize)
+        self.op = op
+        return self.go_to(min(self.step, self.num_steps))
+
+    def buffers(self, step: int | None = None) -> list[list[float]]:
+        """Every rank's buffer after ``step`` (default: the current step)."""
+        step = self.step if step is None else step
+        return [list(b) for b in (self.initial if step == 0 else self.steps[step - 1].buffers)]
+
+    def contributors(self, step: int | None = None) -> list[list[tuple[int, ...]]]:
+        """For each rank and chunk, which ranks' data the chunk sums after ``step``."""
+        step = self.step if step is None else step
+        if step == 0:
+            return [[(r,)] * self.world_size for r in range(self.world_size)]
+        return self.steps[step - 1].contributors
+
+    def bytes_sent(self, upto: int | None = None) -> list[int]:
+        """Total bytes each rank has sent after steps ``1..upto`` (default: all steps)."""
+        upto = self.num_steps if upto is None else upto
+        return [sum(s.bytes_sent(r) for s in self.steps[:upto]) for r in range(self.world_size)]
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Size of one rank's buffer in bytes."""
+        return len(self.initial[0]) * self.itemsize
+
+    def ring_bytes_formula(self) -> float:
+        """The textbook per-rank traffic of ring all-reduce: ``2(N-1)/N`` x buffer size."""
+        n = self.world_size
+        return 2 * (n - 1) / n * self.buffer_bytes
+
+    def naive_bytes(self) -> int:
+        """Per-rank traffic if every rank sent its whole buffer to every other rank."""
+        return (self.world_size - 1) * self.buffer_bytes
+
+    # ---- text -------------------------------------------------------------------------------
+
+    def _step_title(self, step: int) -> str:
+        if step == 0:
+            return f"step 0/{self.num_steps}: initial buffers"
+        s = self.steps[step - 1]
+        n = self.world_size
+        if s.phase == DIVIDE:
+            return f"step {step}/{self.num_steps}: divide by N={n} on every rank (op='avg')"
+        return f"step {step}/{self.num_steps}: {s.phase} {s.phase_step}/{n - 1}"
+
+    def summary(self) -> str:
+        """The current step, what is sent, every rank's buffer, and the traffic so far."""
+        n = self.world_size
+        bounds = chunk_bounds(len(self.initial[0]), n)
+        sizes = [b - a for a, b in bounds]
+        lines = [
+            f"AllReduceStepper(world_size={n}, length={len(self.initial[0])}, op={self.op!r}, "
+            f"itemsize={self.itemsize}, chunks={sizes})",
+            self._step_title(self.step),
+        ]
+        if self.step:
+            for src, dst, chunk, nbytes in self.steps[self.step - 1].sends:
+                lines.append(f"  rank {src} -> rank {dst}: chunk {chunk} ({nbytes} B)")
+        contributors = self.contributors()
+        for rank, buf in enumerate(self.buffers()):
+            chunks = []
+            for c, (a, b) in enumerate(bounds):
+                values = ", ".join(_fmt(v) for v in buf[a:b])
+                mark = "" if len(contributors[rank][c]) < n else "*"
+                chunks.append(f"[{values}]{mark}")
+            lines.append(f"rank {rank}: {' '.join(chunks)}")
+        lines.append("* = chunk complete (sums all ranks)")
+        sent = self.bytes_sent(self.step)
+        lines.append(
+            "bytes sent so far: " + ", ".join(f"rank {r}: {b}" for r, b in enumerate(sent))
+        )
+        if self.step == self.num_steps:
+            totals = self.bytes_sent()
+            low, high = min(totals), max(totals)
+            spread = f"{low} B" if low == high else f"{low}..{high} B"
+            lines.append(
+                f"total per rank: {spread}, about 2(N-1)/N x {self.buffer_bytes} B = "
+                f"{self.ring_bytes_formula():g} B; naive all-to-all: {self.naive_bytes()} B"
+            )
+        return "\n".join(lines)
+
+    # ---- figure -----------------------------------------------------------------------------
+
+    def figure(self, step: int | None = None) -> Any:
+        """Ranks on a ring with their chunked buffers at ``step``, and bytes sent per rank.
+
+        Chunks are coloured by the rank whose data they started from, with as many stripes as
+        ranks they already sum; arrows show this step's sends.
+        """
+        from matplotlib.patches import FancyArrowPatch, Rectangle
+
+        step = self.step if step is None else step
+        if not 0 <= step <= self.num_steps:
+            raise ValueError(f"step={step!r} must be between 0 and {self.num_steps}")
+        n = self.world_size
+        bounds = chunk_bounds(len(self.initial[0]), n)
+        buffers = self.buffers(step)
+        contributors = self.contributors(step)
+        fig = _new_figure(11.0, 5.2)
+        ring_ax, bytes_ax = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1.5, 1]})
+
+        # Chunks of a fixed size; the ring grows so that neighbouring buffers never overlap.
+        cw, ch = (0.15 if n <= 4 else 0.2), 0.16
+        radius = max(1.0, (n * cw + 0.3) / (2 * math.sin(math.pi / n)))
+        centers = [
+            (radius * math.sin(2 * math.pi * r / n), radius * math.cos(2 * math.pi * r / n))
+            for r in range(n)
+        ]
+        sends = self.steps[step - 1].sends if step else []
+        sent_chunks = {(src, chunk) for src, _dst, chunk, _b in sends}
+        for rank, (x, y) in enumerate(centers):
+            left = x - n * cw / 2
+            for c in range(n):
+                who = contributors[rank][c]
+                for k, contributor in enumerate(who):  # one stripe per summed rank
+                    ring_ax.add_patch(
+                        Rectangle(
+                            (left + c * cw, y - ch / 2 + k * ch / len(who)),
+                            cw,
+                            ch / len(who),
+                            facecolor=rank_color(contributor),
+                            edgecolor="none",
+                        )
+                    )
+                edge = "#000000" if (rank, c) in sent_chunks else "#888888"
+                ring_ax.add_patch(
+                    Rectangle(
+                        (left + c * cw, y - ch / 2),
+                        cw,
+                        ch,
+                        fill=False,
+                        edgecolor=edge,
+                        linewidth=2.2 if (rank, c) in sent_chunks else 0.6,
+                    )
+                )
+                a, b = bounds[c]
+                ring_ax.text(
+                    left + (c + 0.5) * cw,
+                    y - ch / 2 - 0.05,
+                    _chunk_label(buffers[rank][a:b], "\n"),
+                    ha="center",
+                    va="top",
+                    fontsize=6.5,
+                )
+            ring_ax.text(
+                x,
+                y + ch / 2 + 0.03,
+                f"rank {rank}",
+                ha="center",
+                va="bottom",
+                fontsize=9,
+                fontweight="bold",
+                color=_ink(rank_color(rank)),
+            )
+        for src, dst, chunk, nbytes in sends:
+            (x0, y0), (x1, y1) = centers[src], centers[dst]
+            ring_ax.add_patch(
+                FancyArrowPatch(
+                    (x0, y0),
+                    (x1, y1),
+                    connectionstyle="arc3,rad=-0.25",
+                    arrowstyle="-|>",
+                    mutation_scale=14,
+                    shrinkA=30,
+                    shrinkB=30,
+                    color=rank_color(src),
+                    linewidth=1.8,
+                )
+            )
+            mx, my = (x0 + x1) / 2 * 1.25, (y0 + y1) / 2 * 1.25
+            ring_ax.text(
+                mx,
+                my,
+                f"chunk {chunk}\n{nbytes} B",
+                ha="center",
+                va="center",
+                fontsize=7,
+                color=_ink(rank_color(src)),
+            )
+        ring_ax.text(
+            0,
+            -radius - 0.6,
+            "stripes: the ranks whose data a chunk sums; thick outline: chunk sent in this step",
+            ha="center",
+            fontsize=7.5,
+            color="#444444",
+        )
+        ring_ax.set_xlim(-radius - 0.7, radius + 0.7)
+        ring_ax.set_ylim(-radius - 0.65, radius + 0.55)
+        ring_ax.set_aspect("equal")
+        ring_ax.axis("off")
+        ring_ax.set_title(self._step_title(step), fontsize=10)
+
+        totals = self.bytes_sent()
+        so_far = self.bytes_sent(step)
+        xs = range(n)
+        bytes_ax.bar(
+            xs, totals, color=[rank_color(r) for r in xs], alpha=0.3, label="ring, all steps"
+        )
+        bytes_ax.bar(xs, so_far, color=[rank_color(r) for r in xs], label=f"sent by step {step}")
+        bytes_ax.axhline(
+            self.ring_bytes_formula(),
+            color="#000000",
+            linestyle="--",
+            linewidth=1,
+            label="2(N-1)/N x buffer",
+        )
+        bytes_ax.axhline(
+            self.naive_bytes(),
+            color="#D55E00",
+            linestyle=":",
+            linewidth=1.5,
+            label="naive all-to-all (N-1) x buffer",
+        )
+        bytes_ax.set_xticks(list(xs))
+        bytes_ax.set_xticklabels([f"rank {r}" for r in xs], fontsize=8)
+        bytes_ax.set_ylabel("bytes sent")
+        bytes_ax.set_ylim(0, max(self.naive_bytes(), max(totals)) * 1.3)
+        bytes_ax.legend(fontsize=7, loc="upper left")
+        bytes_ax.set_title(f"bytes sent per rank (buffer = {self.buffer_bytes} B)", fontsize=10)
+        fig.suptitle(f"Ring all-reduce of {n} ranks (op={self.op!r})")
+        return fig
+
+    # ---- widget -----------------------------------------------------------------------------
+
+    def _build_widget(self) -> Any:
+        import ipywidgets as w
+
+        add = self._add_control
+        play = add(
+            "play",
+            w.Play(
+                value=self.step,
+                min=0,
+                max=self.num_steps,
+                step=1,
+                interval=1200,
+                description="play",
+                show_repeat=False,
+            ),
+        )
+        slider = add(
+            "step",
+            w.IntSlider(
+                value=self.step,
+                min=0,
+                max=self.num_steps,
+                description="step",
+                continuous_update=True,
+            ),
+        )
+        # jslink moves the slider in the browser while playing; the slider syncs back here.
+        w.jslink((play, "value"), (slider, "value"))
+        nxt = add("next", w.Button(description="Step", tooltip="next step", icon="step-forward"))
+        reset = add("reset", w.Button(description="Reset", tooltip="back to step 0", icon="undo"))
+        op = add(
+            "op",
+            w.ToggleButtons(
+                options=["sum", "avg"],
+                value=self.op,
+                description="op",
+                tooltips=["dist.all_reduce (SUM)", "sum, then divide by N"],
+            ),
+        )
+        ring = add("ring", w.Checkbox(value=False, description="ring diagram"))
+        slider.observe(self._on_slider, names="value")
+        op.observe(
+            lambda change: None if self._syncing else self.set_op(change["new"]), names="value"
+        )
+        ring.observe(lambda _change: self._refresh(), names="value")
+        nxt.on_click(lambda _b: self.next())
+        reset.on_click(lambda _b: self.reset())
+        self._html = w.HTML(value=self._html_view())
+        self._html.add_class(f"{self._css_class}-output")
+        self._image = w.Image(format="png", layout=w.Layout(display="none"))
+        self._image.add_class(f"{self._css_class}-figure")
+        return w.VBox(
+            [w.HBox([play, slider, nxt, reset]), w.HBox([op, ring]), self._html, self._image]
+        )
+
+    def _on_slider(self, change: dict[str, Any]) -> None:
+        if not self._syncing:
+            self.go_to(change["new"])
+
+    def _sync_controls(self) -> None:
+        if not self._controls:
+            return
+        self._syncing = True
+        try:
+            for name in ("play", "step"):
+                self._controls[name].max = self.num_steps
+                self._controls[name].value = self.step
+            self._controls["op"].value = self.op
+        finally:
+            self._syncing = False
+
+    def _refresh(self) -> None:
+        if self._widget is None:
+            return
+        self._html.value = self._html_view()
+        if self._controls["ring"].value:
+            self._image.value = figure_png(self.figure(), dpi=80)
+            self._image.layout.display = None
+        else:
+            self._image.layout.display = "none"
+
+    def _html_view(self) -> str:
+        """A table: one row per rank, one cell per chunk, sends highlighted."""
+        import html
+
+        n = self.world_size
+        bounds = chunk_bounds(len(self.initial[0]), n)
+        buffers = self.buffers()
+        contributors = self.contributors()
+        sends = self.steps[self.step - 1].sends if self.step else []
+        sending = {(src, chunk): dst for src, dst, chunk, _b in sends}
+        rows = []
+        for rank in range(n):
+            cells = []
+            for c, (a, b) in enumerate(bounds):
+                who = contributors[rank][c]
+                border = "3px solid #000" if (rank, c) in sending else "1px solid #999"
+                arrow = f" &rarr; r{sending[(rank, c)]}" if (rank, c) in sending else ""
+                label = html.escape(_chunk_label(buffers[rank][a:b], limit=6))
+                if len(who) == 1:  # still only this rank's own data: its colour
+                    color = rank_color(who[0])
+                    fill = f"background:{color};color:{text_color_on(color)}"
+                else:  # a partial or complete sum: one stripe per contributing rank
+                    stops = ",".join(
+                        f"{rank_color(r)} {100 * k / len(who):.1f}% {100 * (k + 1) / len(who):.1f}%"
+                        for k, r in enumerate(who)
+                    )
+                    fill = (
+                        f"background:linear-gradient(to right,{stops}) bottom/100% 6px no-repeat,"
+                        "#FFFFFF;color:#000000;padding-bottom:8px"
+                    )
+                sums = "+".join(f"r{r}" for r in who) if len(who) < n else "<b>all ranks</b>"
+                complete = " nb-dist-complete" if len(who) == n else ""
+                cells.append(
+                    f'<td class="nb-dist-chunk{complete}" style="border:{border};'
+                    f'padding:2px 6px;{fill}">[{label}]<br><small>{sums}{arrow}</small></td>'
+                )
+            rows.append(
+                f'<tr class="nb-dist-rank-row" data-rank="{rank}"><th style="color:'
+                f'{_ink(rank_color(rank))}">rank {rank}</th>{"".join(cells)}</tr>'
+            )
+        header = "".join(f"<th>chunk {c}</th>" for c in range(n))
+        sent = self.bytes_sent(self.step)
+        return (
+            f"<div style='font-family:monospace;font-size:12px'><b>"
+            f"{html.escape(self._step_title(self.step))}</b>"
+            f"<table style='border-collapse:separate;border-spacing:3px'><tr><th></th>{header}</tr>"
+            + "".join(rows)
+            + "</table>bytes sent so far: "
+            + ", ".join(f"rank {r}: {b}" for r, b in enumerate(sent))
+            + f" (ring total per rank ~ {self.ring_bytes_formula():g} B, naive "
+            f"{self.naive_bytes()} B)</div>"
+        )
+
+
+def _fmt(value: float) -> str:
+    """Numbers as short, stable text: ``10``, ``2.5``, ``0.3333``."""
+    if isinstance(value, int) or float(value).is_integer():
+        return str(int(value))
+    return f"{value:.4g}"
+
+
+def _chunk_label(values: list[float], sep: str = ", ", limit: int = 3) -> str:
+    """A chunk's values as text, at most ``limit`` of them (then an ellipsis)."""
+    if not values:
+        return "-"
+    shown = [_fmt(v) for v in values[:limit]]
+    return sep.join(shown + (["..."] if len(values) > limit else []))
+
+
+def _ink(color: str) -> str:
+    """A readable text colour for labels drawn in a rank's colour on white (yellow is too pale)."""
+    return "#8C7D00" if color.upper() == "#F0E442" else color

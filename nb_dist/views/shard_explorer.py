@@ -1,0 +1,724 @@
+"""Which samples does every rank get? ``DistributedSampler``, made visible.
+
+In data-parallel training every rank runs the same loop over its own *shard* of the dataset.
+``torch.utils.data.DistributedSampler`` decides the shards:
+
+1. it orders the indices ``0 .. len-1`` (shuffled with ``seed + epoch`` when ``shuffle=True``);
+2. unless ``drop_last=True``, it **pads** the list by repeating its first indices until the length
+   divides by the world size (so every rank runs the same number of steps and no rank waits
+   forever in an all-reduce); with ``drop_last=True`` it instead **drops** the tail;
+3. rank ``r`` takes every ``world_size``-th index starting at ``r`` (``indices[r::world_size]``).
+
+The shuffle is seeded with ``seed + epoch``, and the sampler only learns the epoch from
+``sampler.set_epoch(epoch)``. Forget that call and every epoch repeats epoch 0's order.
+
+:class:`ShardExplorer` computes all of this with the real ``DistributedSampler`` (one per rank)
+and shows it as a widget, a text summary and a matplotlib figure. :func:`consumed_view` draws
+what ranks *actually* consumed in a real launch (duplicates, never-seen samples).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from ._display import _new_figure, _short_list, _StaticView, _WidgetView
+from .colors import DROPPED_COLOR, PADDING_EDGE_COLOR, rank_color, text_color_on
+
+__all__ = ["ConsumedView", "ShardExplorer", "consumed_view", "sampler_assignments"]
+
+
+# --------------------------------------------------------------------------------------------
+# The model: pure functions over the real DistributedSampler.
+# --------------------------------------------------------------------------------------------
+
+
+class _IndexDataset:
+    """The smallest dataset a sampler accepts: it only needs ``len()``."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+def _check_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}={value!r} must be an int (for example {name}={max(minimum, 2)})")
+    if value < minimum:
+        raise ValueError(f"{name}={value!r} must be >= {minimum}")
+    return value
+
+
+def sampler_assignments(
+    dataset_len: int,
+    world_size: int,
+    *,
+    shuffle: bool = False,
+    seed: int = 0,
+    epoch: int | None = None,
+    drop_last: bool = False,
+) -> dict[int, list[int]]:
+    """The indices each rank gets from ``torch.utils.data.DistributedSampler``.
+
+    Builds one real sampler per rank (``num_replicas=world_size, rank=r``) and lists it. With
+    ``epoch=None`` ``set_epoch`` is never called, exactly like a training loop that forgets it
+    (the sampler then stays at epoch 0); otherwise ``sampler.set_epoch(epoch)`` is called first.
+    """
+    from torch.utils.data import DistributedSampler
+
+    dataset = _IndexDataset(dataset_len)
+    result = {}
+    for rank in range(world_size):
+        sampler = DistributedSampler(
+            dataset,
+            num_replicas=world_size,
+            rank=rank,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+        )
+        if epoch is not None:
+            sampler.set_epoch(epoch)
+        result[rank] = [int(i) for i in sampler]
+    return result
+
+
+def _padding_positions(assignments: Mapping[int, list[int]]) -> dict[int, list[int]]:
+    """Positions (per rank) that hold padding duplicates.
+
+    Interleaving the ranks' lists restores the sampler's global order (position ``p`` of rank
+    ``r`` is global position ``p * world_size + r``). The first occurrence of an index in that
+    order is the real sample; every later occurrence is a padding duplicate.
+    """
+    world_size = len(assignments)
+    length = max((len(v) for v in assignments.values()), default=0)
+    seen: set[int] = set()
+    padding: dict[int, list[int]] = {r: [] for r in assignments}
+    for position in range(length):
+        for rank in range(world_size):
+            index = assignments[rank][position]
+            if index in seen:
+                padding[rank].append(position)
+            seen.add(index)
+    return padding
+
+
+def _fmt_index(index: int, padded: bool) -> str:
+    return f"{index}*" if padded else str(index)
+
+
+class ShardExplorer(_WidgetView):
+    """Explore how ``DistributedSampler`` splits a dataset over ranks, epoch by epoch.
+
+    Args:
+        dataset_len (`int`): number of samples in the dataset (``len(dataset)``).
+        world_size (`int`): number of ranks (``num_replicas``).
+        batch_size (`int`): per-rank batch size, used to group each rank's indices into batches
+            (``BatchSampler(sampler, batch_size, drop_last=False)``, as a ``DataLoader`` does).
+        shuffle (`bool`): the sampler's ``shuffle``.
+        seed (`int`): the sampler's ``seed`` (the shuffle uses ``seed + epoch``).
+        epoch (`int`): the training loop's current epoch.
+        drop_last (`bool`): the sampler's ``drop_last``: drop the tail instead of padding.
+        set_epoch (`bool`): whether the loop calls ``sampler.set_epoch(epoch)``. When False the
+            sampler stays at epoch 0, so every epoch repeats epoch 0's order.
+
+    Every attribute above can be changed with :meth:`update` or through the widget's
+    ``controls``; ``assignments()``, ``padding()``, ``dropped()`` and ``batches()`` recompute.
+
+    >>> ShardExplorer(dataset_len=10, world_size=3).assignments()
+    {0: [0, 3, 6, 9], 1: [1, 4, 7, 0], 2: [2, 5, 8, 1]}
+    """
+
+    _css_class = "nb-dist-shard-explorer"
+    _FIELDS = (
+        "dataset_len",
+        "world_size",
+        "batch_size",
+        "shuffle",
+        "seed",
+        "epoch",
+        "drop_last",
+        "set_epoch",
+    )
+
+    def __init__(
+        self,
+        dataset_len: int = 10,
+        world_size: int = 3,
+        batch_size: int = 2,
+        shuffle: bool = False,
+        seed: int = 0,
+        epoch: int = 0,
+        drop_last: bool = False,
+        set_epoch: bool = True,
+    ) -> None:
+        super().__init__()
+        self.dataset_len = _check_int("dataset_len", dataset_len, 1)
+        self.world_size = _check_int("world_size", world_size, 1)
+        self.batch_size = _check_int("batch_size", batch_size, 1)
+        self.seed = _check_int("seed", seed, 0)
+        self.epoch = _check_int("epoch", epoch, 0)
+        self.shuffle = bool(shuffle)
+        self.drop_last = bool(drop_last)
+        self.set_epoch = bool(set_epoch)
+        self._syncing = False
+
+    # ---- model ------------------------------------------------------------------------------
+
+    def update(self, **changes: Any) -> ShardExplorer:
+        """Change settings, e.g. ``update(world_size=4, shuffle=True)``; the controls follow."""
+        unknown = sorted(set(changes) - set(self._FIELDS))
+        if unknown:
+            raise TypeError(f"unknown setting(s) {unknown}; the settings are {list(self._FIELDS)}")
+        minimums = {"dataset_len": 1, "world_size": 1, "batch_size": 1, "seed": 0, "epoch": 0}
+        for name, value in changes.items():
+            checked = _check_int(name, value, minimums[name]) if name in minimums else bool(value)
+            setattr(self, name, checked)
+        self._sync_controls()
+        self._refresh()
+        return self
+
+    @property
+    def sampler_epoch(self) -> int:
+        """The epoch the sampler actually uses: ``epoch`` if ``set_epoch`` is called, else 0."""
+        return self.epoch if self.set_epoch else 0
+
+    def assignments(self, epoch: int | None = None) -> dict[int, list[int]]:
+        """``{rank: indices}`` from ``DistributedSampler`` for ``epoch`` (default: current).
+
+        Without ``set_epoch`` the sampler never hears about the epoch, whatever it is.
+        """
+        epoch = self.epoch if epoch is None else epoch
+        return sampler_assignments(
+            self.dataset_len,
+            self.world_size,
+            shuffle=self.shuffle,
+            seed=self.seed,
+            epoch=epoch if self.set_epoch else None,
+            drop_last=self.drop_last,
+        )
+
+    def padding(self, epoch: int | None = None) -> dict[int, list[int]]:
+        """``{rank: positions}``: where in each rank's list the padding duplicates sit."""
+        return _padding_positions(self.assignments(epoch))
+
+    def dropped(self, epoch: int | None = None) -> list[int]:
+        """Sample indices no rank gets this epoch (only with ``drop_last=True``), sorted."""
+        assigned = {i for indices in self.assignments(epoch).values() for i in indices}
+        return sorted(set(range(self.dataset_len)) - assigned)
+
+    def batches(self, epoch: int | None = None) -> dict[int, list[list[int]]]:
+        """``{rank: [batch, ...]}``: each rank's indices as its ``DataLoader`` would batch them.
+
+        Uses ``torch.utils.data.BatchSampler(indices, batch_size, drop_last=False)``; the last
+        batch of a rank may be smaller.
+        """
+        from torch.utils.data import BatchSampler
+
+        return {
+            rank: [list(b) for b in BatchSampler(indices, self.batch_size, drop_last=False)]
+            for rank, indices in self.assignments(epoch).items()
+        }
+
+    def epoch_orders(self, epochs: Iterable[int]) -> dict[int, dict[int, list[int]]]:
+        """``{epoch: assignments}`` for several epochs, honouring the ``set_epoch`` switch."""
+        return {e: self.assignments(e) for e in epochs}
+
+    def samples_per_rank(self) -> int:
+        """How many indices every rank gets (``len(sampler)``; the same on every rank)."""
+        return len(self.assignments()[0])
+
+    # ---- text -------------------------------------------------------------------------------
+
+    def _header(self) -> str:
+        return (
+            f"ShardExplorer(dataset={self.dataset_len}, world_size={self.world_size}, "
+            f"batch_size={self.batch_size}, shuffle={self.shuffle}, seed={self.seed}, "
+            f"epoch={self.epoch}, drop_last={self.drop_last}, set_epoch={self.set_epoch})"
+        )
+
+    def _next_epoch_line(self, current: dict[int, list[int]]) -> str:
+        nxt = self.epoch + 1
+        if not self.shuffle:
+            return f"epoch {nxt}: same order (shuffle=False never reorders)"
+        if not self.set_epoch:
+            return (
+                f"epoch {nxt}: same order as epoch 0 (set_epoch is not called, so the "
+                f"sampler shuffles with seed {self.seed} + 0 every epoch)"
+            )
+        changed = self.assignments(nxt) != current
+        what = "new order" if changed else "same order (by chance)"
+        return f"epoch {nxt}: {what} (set_epoch({nxt}) reshuffles with seed {self.seed} + {nxt})"
+
+    def summary(self) -> str:
+        """What the view shows, as deterministic text (this is the notebook's text/plain)."""
+        assignments = self.assignments()
+        padding = self.padding()
+        dropped = self.dropped()
+        lines = [self._header()]
+        if self.set_epoch:
+            lines.append(f"sampler.set_epoch({self.epoch}) called: shuffle seed = seed + epoch")
+        elif self.epoch:
+            lines.append(f"set_epoch not called: the sampler still uses epoch 0 (now {self.epoch})")
+        for rank, indices in assignments.items():
+            pad = set(padding[rank])
+            shown = [_fmt_index(i, p in pad) for p, i in enumerate(indices)]
+            lines.append(f"rank {rank}: {_short_list(shown)}")
+        n_pad = sum(len(p) for p in padding.values())
+        per_rank = len(assignments[0])
+        if n_pad:
+            lines.append(
+                f"* = padding duplicate: {n_pad} sample(s) repeated so every rank gets {per_rank}"
+            )
+        if dropped:
+            lines.append(
+                f"dropped (drop_last=True): {_short_list([str(i) for i in dropped])}, "
+                f"so every rank gets {per_rank}"
+            )
+        else:
+            lines.append("dropped: none")
+        lines.append(f"batches (batch_size={self.batch_size}):")
+        for rank, batches in self.batches().items():
+            pad = set(padding[rank])
+            shown = []
+            for b, batch in enumerate(batches):
+                items = [_fmt_index(i, b * self.batch_size + j in pad) for j, i in enumerate(batch)]
+                shown.append("[" + ", ".join(items) + "]")
+            text = " ".join(shown[:12]) + (
+                f" ... (+{len(shown) - 12} more)" if len(shown) > 12 else ""
+            )
+            lines.append(f"rank {rank}: {len(batches)} batch(es) {text}")
+        lines.append(self._next_epoch_line(assignments))
+        return "\n".join(lines)
+
+    # ---- figure -----------------------------------------------------------------------------
+
+    def figure(self, epochs: int = 2) -> Any:
+        """A matplotlib ``Figure``: dataset coverage, then each rank's strip for ``epochs`` epochs.
+
+        The top row colours every sample by the rank that receives it (grey: dropped). Below, for
+        the current epoch and the following ones, each rank's indices in order, batch by batch;
+        padding duplicates are hatched and starred.
+        """
+        from matplotlib.patches import Rectangle
+
+        epoch_list = list(range(self.epoch, self.epoch + max(1, epochs)))
+        orders = self.epoch_orders(epoch_list)
+        per_rank = max(1, len(orders[self.epoch][0]))
+        width = max(self.dataset_len, per_rank + (per_rank - 1) // self.batch_size * 0.4)
+        fig = _new_figure(
+            min(16.0, max(7.0, 2.5 + 0.38 * width)),
+            1.8 + 0.45 * self.world_size * len(epoch_list),
+        )
+        axes = fig.subplots(
+            1 + len(epoch_list),
+            1,
+            gridspec_kw={"height_ratios": [1.4] + [self.world_size + 0.6] * len(epoch_list)},
+        )
+
+        show_labels = width <= 80  # beyond that the numbers would not fit in the cells
+
+        def cell(ax, x, y, label, color, padded=False, dropped=False):
+            ax.add_patch(
+                Rectangle(
+                    (x, y),
+                    0.92,
+                    0.8,
+                    facecolor=DROPPED_COLOR if dropped else color,
+                    alpha=0.45 if padded else 1.0,
+                    edgecolor="none",
+                )
+            )
+            if padded:  # a dashed outline on top of the faded fill marks a padding duplicate
+                ax.add_patch(
+                    Rectangle(
+                        (x, y),
+                        0.92,
+                        0.8,
+                        fill=False,
+                        edgecolor=PADDING_EDGE_COLOR,
+                        linestyle="--",
+                        linewidth=1.4,
+                    )
+                )
+            ink = "#555555" if dropped else "#000000" if padded else text_color_on(color)
+            if show_labels:
+                ax.text(x + 0.46, y + 0.4, label, ha="center", va="center", fontsize=7, color=ink)
+
+        # Coverage of the dataset in the current epoch.
+        cov = axes[0]
+        owners: dict[int, list[int]] = {}
+        for rank, indices in orders[self.epoch].items():
+            for i in indices:
+                owners.setdefault(i, []).append(rank)
+        for i in range(self.dataset_len):
+            ranks = owners.get(i, [])
+            if not ranks:
+                cell(cov, i, 0, str(i), DROPPED_COLOR, dropped=True)
+                continue
+            share = 0.8 / len(ranks)
+            for k, rank in enumerate(ranks):
+                cov.add_patch(Rectangle((i, k * share), 0.92, share, facecolor=rank_color(rank)))
+            cov.text(
+                i + 0.46,
+                0.4,
+                str(i),
+                ha="center",
+                va="center",
+                fontsize=7,
+                color=text_color_on(rank_color(ranks[0])),
+            )
+        cov.set_xlim(-0.2, width + 0.2)
+        cov.set_ylim(-0.1, 0.9)
+        cov.set_yticks([])
+        cov.set_xticks([])
+        cov.set_ylabel("dataset", rotation=0, ha="right", va="center")
+        cov.set_frame_on(False)
+        cov.set_title(
+            f"epoch {self.epoch}: the rank(s) that get each sample (grey = dropped)",
+            fontsize=9,
+            loc="left",
+        )
+
+        for ax, epoch in zip(axes[1:], epoch_list, strict=True):
+            assignments = orders[epoch]
+            padding = _padding_positions(assignments)
+            for rank, indices in assignments.items():
+                y = self.world_size - 1 - rank
+                pad = set(padding[rank])
+                for p, index in enumerate(indices):
+                    x = p + (p // self.batch_size) * 0.4
+                    cell(ax, x, y, _fmt_index(index, p in pad), rank_color(rank), padded=p in pad)
+            ax.set_xlim(-0.2, width + 0.2)
+            ax.set_ylim(-0.2, self.world_size)
+            ax.set_yticks([self.world_size - 1 - r + 0.4 for r in range(self.world_size)])
+            ax.set_yticklabels([f"rank {r}" for r in range(self.world_size)])
+            ax.set_xticks([])
+            ax.tick_params(length=0)
+            ax.set_frame_on(False)
+            note = (
+                f"sampler.set_epoch({epoch})"
+                if self.set_epoch
+                else "set_epoch not called: sampler epoch 0"
+            )
+            ax.set_title(
+                f"epoch {epoch} ({note}), batches of {self.batch_size}", fontsize=9, loc="left"
+            )
+        fig.suptitle(
+            f"DistributedSampler: {self.dataset_len} samples over {self.world_size} ranks\n"
+            f"shuffle={self.shuffle}, seed={self.seed}, drop_last={self.drop_last} "
+            "(dashed, faded, * = padding duplicate)",
+            fontsize=10,
+        )
+        return fig
+
+    # ---- widget -----------------------------------------------------------------------------
+
+    def _build_widget(self) -> Any:
+        import ipywidgets as w
+
+        wide = {"description_width": "initial"}
+        add = self._add_control
+        add(
+            "dataset_len",
+            w.IntSlider(
+                value=self.dataset_len,
+                min=1,
+                max=max(64, self.dataset_len),
+                description="dataset length",
+                style=wide,
+            ),
+        )
+        add(
+            "world_size",
+            w.IntSlider(
+                value=self.world_size,
+                min=1,
+                max=max(8, self.world_size),
+                description="world size",
+                style=wide,
+            ),
+        )
+        add(
+            "batch_size",
+            w.IntSlider(
+                value=self.batch_size,
+                min=1,
+                max=max(16, self.batch_size),
+                description="batch size",
+                style=wide,
+            ),
+        )
+        add(
+            "epoch",
+            w.IntSlider(
+                value=self.epoch, min=0, max=max(9, self.epoch), description="epoch", style=wide
+            ),
+        )
+        add(
+            "seed",
+            w.BoundedIntText(
+                value=self.seed,
+                min=0,
+                max=2**31 - 1,
+                description="seed",
+                style=wide,
+                layout=w.Layout(width="160px"),
+            ),
+        )
+        add("shuffle", w.Checkbox(value=self.shuffle, description="shuffle"))
+        add("drop_last", w.Checkbox(value=self.drop_last, description="drop_last"))
+        add("set_epoch", w.Checkbox(value=self.set_epoch, description="call set_epoch(epoch)"))
+        for name, control in self._controls.items():
+            control.observe(self._on_control, names="value")
+            control.tooltip = name
+        self._html = w.HTML(value=self._html_view())
+        self._html.add_class(f"{self._css_class}-output")
+        c = self._controls
+        return w.VBox(
+            [
+                w.HBox([c["dataset_len"], c["world_size"], c["batch_size"]]),
+                w.HBox([c["epoch"], c["seed"], c["shuffle"], c["drop_last"], c["set_epoch"]]),
+                self._html,
+            ]
+        )
+
+    def _on_control(self, change: dict[str, Any]) -> None:
+        if self._syncing:
+            return
+        name = next(k for k, v in self._controls.items() if v is change["owner"])
+        setattr(self, name, change["new"])
+        self._refresh()
+
+    def _sync_controls(self) -> None:
+        if not self._controls:
+            return
+        self._syncing = True
+        try:
+            for name, control in self._controls.items():
+                value = getattr(self, name)
+                if hasattr(control, "max") and value > control.max:
+                    control.max = value
+                control.value = value
+        finally:
+            self._syncing = False
+
+    def _refresh(self) -> None:
+        if self._widget is not None:
+            self._html.value = self._html_view()
+
+    def _html_view(self) -> str:
+        """The widget's body: coloured strips per rank for this epoch and the next."""
+        assignments = self.assignments()
+        padding = self.padding()
+        dropped = set(self.dropped())
+
+        def cell(label: str, color: str, extra: str = "", cls: str = "") -> str:
+            return (
+                f'<span class="nb-dist-cell {cls}" style="display:inline-block;min-width:2.2em;'
+                f"text-align:center;margin:1px;padding:1px 2px;border-radius:3px;"
+                f'background:{color};color:{text_color_on(color)};{extra}">{label}</span>'
+            )
+
+        def strips(orders: dict[int, list[int]], pads: dict[int, list[int]]) -> list[str]:
+            rows = []
+            for rank, indices in orders.items():
+                pad = set(pads[rank])
+                cells = []
+                for p, index in enumerate(indices):
+                    if p and p % self.batch_size == 0:
+                        cells.append('<span style="display:inline-block;width:0.8em"></span>')
+                    if p in pad:
+                        cells.append(
+                            cell(
+                                f"{index}*",
+                                rank_color(rank),
+                                "outline:2px dashed #222;",
+                                "nb-dist-padding",
+                            )
+                        )
+                    else:
+                        cells.append(cell(str(index), rank_color(rank)))
+                rows.append(
+                    f'<div class="nb-dist-rank-row" data-rank="{rank}">'
+                    f'<b style="display:inline-block;width:4em">rank {rank}</b>'
+                    f"{''.join(cells)}</div>"
+                )
+            return rows
+
+        coverage = []
+        owner = {}
+        for rank, indices in assignments.items():
+            for i in indices:
+                owner.setdefault(i, rank)
+        for i in range(self.dataset_len):
+            if i in dropped:
+                coverage.append(
+                    cell(str(i), DROPPED_COLOR, "text-decoration:line-through;", "nb-dist-dropped")
+                )
+            else:
+                coverage.append(cell(str(i), rank_color(owner[i])))
+        nxt = self.epoch + 1
+        nxt_orders = self.assignments(nxt)
+        parts = [
+            '<div style="font-family:monospace;font-size:12px">',
+            "<div><b>dataset</b> (colour = rank that gets the sample first)"
+            f"{''.join(coverage)}</div>",
+            f"<div style='margin-top:6px'><b>epoch {self.epoch}</b>, batches of "
+            f"{self.batch_size} ({len(assignments[0])} samples per rank)</div>",
+            *strips(assignments, padding),
+            f"<div style='margin-top:6px'><b>epoch {nxt}</b></div>",
+            *strips(nxt_orders, _padding_positions(nxt_orders)),
+            "<pre style='margin-top:6px'>"
+            + _html_escape(self.summary().split("\n")[-1])
+            + "</pre>",
+            "<div>* = padding duplicate; struck-through grey = dropped</div>",
+            "</div>",
+        ]
+        return "\n".join(parts)
+
+
+def _html_escape(text: str) -> str:
+    import html
+
+    return html.escape(text)
+
+
+# --------------------------------------------------------------------------------------------
+# What ranks really consumed in a launch.
+# --------------------------------------------------------------------------------------------
+
+
+class ConsumedView(_StaticView):
+    """What every rank actually consumed in a real run: duplicates and never-seen samples.
+
+    Args:
+        indices_by_rank (`dict[int, list[int]]`): the sample indices each rank processed (for
+            example collected by each worker and returned through ``notebook_launcher``). Keys may
+            be ints or strings of ints (as after a JSON round trip).
+        dataset_len (`int`): the dataset's length, to find samples nobody saw.
+    """
+
+    def __init__(self, indices_by_rank: Mapping[Any, Iterable[Any]], dataset_len: int) -> None:
+        self.dataset_len = _check_int("dataset_len", dataset_len, 0)
+        self.indices_by_rank = {
+            int(rank): [int(i) for i in indices]
+            for rank, indices in sorted(indices_by_rank.items(), key=lambda kv: int(kv[0]))
+        }
+        for rank, indices in self.indices_by_rank.items():
+            bad = [i for i in indices if not 0 <= i < self.dataset_len]
+            if bad:
+                raise ValueError(
+                    f"rank {rank} consumed indices outside range(dataset_len={self.dataset_len}): "
+                    f"{bad[:5]}"
+                )
+
+    def counts(self) -> Counter[int]:
+        """How many times each sample index was consumed, over all ranks."""
+        return Counter(i for indices in self.indices_by_rank.values() for i in indices)
+
+    def duplicates(self) -> dict[int, list[int]]:
+        """``{index: [ranks...]}`` for every sample consumed more than once (ranks repeat)."""
+        where: dict[int, list[int]] = {}
+        for rank, indices in self.indices_by_rank.items():
+            for i in indices:
+                where.setdefault(i, []).append(rank)
+        return {i: ranks for i, ranks in sorted(where.items()) if len(ranks) > 1}
+
+    def never_seen(self) -> list[int]:
+        """Sample indices no rank consumed, sorted."""
+        counts = self.counts()
+        return [i for i in range(self.dataset_len) if i not in counts]
+
+    def summary(self) -> str:
+        total = sum(len(v) for v in self.indices_by_rank.values())
+        lines = [
+            f"ConsumedView(dataset={self.dataset_len}, ranks={len(self.indices_by_rank)}, "
+            f"consumed={total})"
+        ]
+        for rank, indices in self.indices_by_rank.items():
+            lines.append(
+                f"rank {rank}: {len(indices)} samples {_short_list([str(i) for i in indices])}"
+            )
+        dups = self.duplicates()
+        if dups:
+            shown = [f"{i} (ranks {', '.join(str(r) for r in ranks)})" for i, ranks in dups.items()]
+            extra = f", ... (+{len(shown) - 12} more)" if len(shown) > 12 else ""
+            lines.append(f"duplicates: {len(dups)}: " + "; ".join(shown[:12]) + extra)
+        else:
+            lines.append("duplicates: none")
+        missing = self.never_seen()
+        lines.append(
+            f"never seen: {len(missing)}: {_short_list([str(i) for i in missing])}"
+            if missing
+            else "never seen: none"
+        )
+        return "\n".join(lines)
+
+    def figure(self) -> Any:
+        """A bar per sample index, stacked by the ranks that consumed it; never-seen marked.
+
+        Datasets longer than ``max_bars`` samples are drawn in bins (mean times consumed per
+        sample in each bin), so the figure stays readable and fast.
+        """
+        from matplotlib.ticker import MaxNLocator
+
+        max_bars = 400
+        binsize = max(1, math.ceil(self.dataset_len / max_bars))
+        nbins = math.ceil(self.dataset_len / binsize)
+        fig = _new_figure(min(12.0, max(7.0, 3.0 + 0.2 * nbins)), 3.4)
+        ax = fig.subplots()
+        bottoms = [0.0] * nbins
+        for rank, indices in self.indices_by_rank.items():
+            heights = [0.0] * nbins
+            for i in indices:
+                heights[i // binsize] += 1 / binsize
+            ax.bar(
+                [b * binsize for b in range(nbins)],
+                heights,
+                bottom=bottoms,
+                color=rank_color(rank),
+                width=0.9 if binsize == 1 else binsize,
+                align="edge" if binsize > 1 else "center",
+                label=f"rank {rank}",
+            )
+            bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+        missing = self.never_seen()
+        if missing:
+            ax.scatter(
+                missing,
+                [0.05] * len(missing),
+                marker="x",
+                color="#D55E00",
+                zorder=3,
+                label="never seen",
+            )
+        ax.axhline(1, color="#444444", linewidth=0.8, linestyle="--")
+        ax.set_xlabel("sample index")
+        if binsize == 1:
+            ax.set_ylabel("times consumed")
+            ax.set_xlim(-0.6, self.dataset_len - 0.4)
+            ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        else:
+            ax.set_ylabel(f"mean times consumed\n(bins of {binsize})")
+            ax.set_xlim(0, self.dataset_len)
+        ax.set_ylim(0, max(bottoms, default=1) + 0.5)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+        ax.set_title(
+            f"What each rank consumed: {self.dataset_len} samples, "
+            f"{len(self.duplicates())} duplicated, {len(missing)} never seen",
+            fontsize=10,
+        )
+        return fig
+
+
+def consumed_view(indices_by_rank: Mapping[Any, Iterable[Any]], dataset_len: int) -> ConsumedView:
+    """Shortcut for :class:`ConsumedView` (display it, ``print`` it, or call ``.figure()``)."""
+    return ConsumedView(indices_by_rank, dataset_len)

@@ -1,0 +1,429 @@
+"""The reliability contract: failures, crashes, timeouts, hangs and restarts with real workers.
+
+Every worker function records its pid in the test's tmp dir first thing, so each test can prove
+that no worker outlives the launch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import assert_all_gone
+
+from nb_dist import LaunchTimeoutError, WorkerFailedError, notebook_launcher
+
+THIS_FILE = os.path.basename(__file__)
+
+
+# ----------------------------------------------------------------------------- helpers
+def _start(tmp: str) -> int:
+    """Record this worker's pid in ``tmp`` and return its rank."""
+    rank = int(os.environ["RANK"])
+    Path(tmp, f"pid{rank}").write_text(str(os.getpid()))
+    return rank
+
+
+def _pids(tmp: Path) -> list[int]:
+    return [int(p.read_text()) for p in sorted(tmp.glob("pid*"))]
+
+
+def _line_of(text: str) -> int:
+    """Line number (1-based) of the first line of this file containing ``text``."""
+    with open(__file__, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if text in line:
+                return number
+    raise AssertionError(f"{text!r} not found in {__file__}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ----------------------------------------------------------------------------- worker functions
+def _raise_while_other_waits(tmp):
+    rank = _start(tmp)
+    if rank == int(os.environ["WORLD_SIZE"]) - 1:
+        time.sleep(0.3)  # let the other ranks block in all_reduce first
+        Path(tmp, "raised_at").write_text(repr(time.monotonic()))
+        raise ValueError("boom")
+    dist.all_reduce(torch.ones(1))
+    return rank
+
+
+def _crash_while_other_waits(tmp, how):
+    rank = _start(tmp)
+    if rank == 0:
+        dist.all_reduce(torch.ones(1))
+        return rank
+    time.sleep(0.3)
+    print("about to crash", flush=True)
+    if how == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif how == "segfault":
+        ctypes.string_at(0)
+    elif how == "os_exit_3":
+        os._exit(3)
+    elif how == "sys_exit_2":
+        sys.exit(2)
+    return rank
+
+
+def _sys_exit_zero(tmp):
+    rank = _start(tmp)
+    if rank == 1:
+        sys.exit(0)
+    return rank
+
+
+def _skip_all_reduce(tmp):
+    rank = _start(tmp)
+    if rank == 0:
+        dist.all_reduce(torch.ones(1))  # rank 1 never joins this one
+    else:
+        dist.barrier()  # a different collective: both ranks wait forever
+    return rank
+
+
+def _sleep_long(tmp):
+    rank = _start(tmp)
+    if rank == 0:
+        time.sleep(60)  # the line the timeout must point at
+    return rank
+
+
+def _rank1_lingers(tmp):
+    rank = _start(tmp)
+    if rank == 1:
+        time.sleep(2.5)  # lingering rank 1
+    return rank
+
+
+def _fail_first_attempt(tmp):
+    rank = _start(tmp)
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    Path(tmp, f"attempt{attempt}-rank{rank}").touch()
+    if attempt == 0 and rank == 1:
+        raise RuntimeError("flaky first attempt")
+    return (rank, attempt)
+
+
+def _always_fail(tmp):
+    rank = _start(tmp)
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    Path(tmp, f"attempt{attempt}-rank{rank}").touch()
+    if rank == 1:
+        raise RuntimeError(f"broken on attempt {attempt}")
+    return rank
+
+
+def _all_reduce_sum():
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+# ----------------------------------------------------------------------------- failures
+@pytest.mark.timeout(60)
+def test_exception_names_root_cause_and_stops_blocked_rank_fast(tmp_path):
+    """A rank that raises while another waits in all_reduce: root cause, traceback, fast stop."""
+    with pytest.raises(WorkerFailedError) as info:
+        notebook_launcher(
+            _raise_while_other_waits,
+            args=(str(tmp_path),),
+            num_processes=2,
+            init_process_group=True,
+        )
+    returned_at = time.monotonic()
+    err = info.value
+    raised_at = float((tmp_path / "raised_at").read_text())
+    assert returned_at - raised_at < 1.5, f"teardown took {returned_at - raised_at:.2f} s"
+    assert_all_gone(_pids(tmp_path), within=0.2)
+
+    text = str(err)
+    assert text.startswith("rank 1 failed first: ValueError: boom"), text
+    assert "Traceback of rank 1" in text
+    assert 'raise ValueError("boom")' in text
+    assert f'{THIS_FILE}", line {_line_of("raise ValueError(")}' in text
+    others = text.split("The other ranks:", 1)[1].splitlines()[1]
+    assert others.startswith(("rank 0: stopped by the launcher", "rank 0: failed as a consequence"))
+    assert err.root_cause.rank == 1
+    assert err.root_cause.exc_type == "ValueError"
+    assert [o.status for o in err.outcomes][1] == "failed"
+    assert err.outcomes[0].status in ("stopped", "collateral")
+    assert len(err.logs) == 2
+
+
+@pytest.mark.timeout(60)
+def test_three_ranks_root_cause_is_the_raiser_not_rank_0(tmp_path):
+    """With 3 ranks, rank 2's exception is the root cause; ranks 0/1 are collateral or stopped."""
+    with pytest.raises(WorkerFailedError) as info:
+        notebook_launcher(
+            _raise_while_other_waits,
+            args=(str(tmp_path),),
+            num_processes=3,
+            init_process_group=True,
+        )
+    err = info.value
+    assert str(err).startswith("rank 2 failed first: ValueError: boom"), str(err)
+    assert err.root_cause.rank == 2
+    assert err.outcomes[2].status == "failed"
+    assert {err.outcomes[0].status, err.outcomes[1].status} <= {"collateral", "stopped"}
+    assert "rank 0 failed first" not in str(err)
+    assert len(_pids(tmp_path)) == 3
+    assert_all_gone(_pids(tmp_path), within=0.2)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("how", "expected_head", "signal_name", "exit_code"),
+    [
+        (
+            "sigkill",
+            "rank 1 failed first: the process was killed by signal SIGKILL (sent by the "
+            "kernel's out-of-memory killer, or by kill -9)",
+            "SIGKILL",
+            None,
+        ),
+        (
+            "segfault",
+            "rank 1 failed first: the process was killed by signal SIGSEGV (a crash in native "
+            "code)",
+            "SIGSEGV",
+            None,
+        ),
+        (
+            "os_exit_3",
+            "rank 1 failed first: the process exited with code 3 before returning",
+            None,
+            3,
+        ),
+        ("sys_exit_2", "rank 1 failed first: SystemExit: 2", None, None),
+    ],
+)
+def test_process_death_is_reported_with_its_cause(
+    tmp_path, how, expected_head, signal_name, exit_code
+):
+    """Deaths by SIGKILL, SIGSEGV, os._exit(3) and sys.exit(2) name the rank and the cause."""
+    with pytest.raises(WorkerFailedError) as info:
+        notebook_launcher(
+            _crash_while_other_waits,
+            args=(str(tmp_path), how),
+            num_processes=2,
+            init_process_group=True,
+        )
+    err = info.value
+    text = str(err)
+    assert text.startswith(expected_head), text
+    assert err.root_cause.rank == 1
+    assert err.root_cause.status == "failed"
+    if signal_name is not None:
+        assert err.root_cause.signal_name == signal_name
+        assert (
+            err.root_cause.describe() == f"rank 1: failed: the process died (signal {signal_name})"
+        )
+    if exit_code is not None:
+        assert err.root_cause.exit_code == exit_code
+        assert err.root_cause.describe() == "rank 1: failed: the process died (exit code 3)"
+    assert err.outcomes[0].status in ("stopped", "collateral")
+    assert "about to crash" in err.logs[1]
+    if how == "segfault":
+        # faulthandler's crash report reaches the message (last output) and the log.
+        assert "Fatal Python error: Segmentation fault" in err.logs[1]
+        last = text.split("Last output of rank 1:", 1)[1]
+        assert "Fatal Python error: Segmentation fault" in last
+        assert f'{THIS_FILE}", line {_line_of("ctypes.string_at(0)")} in ' in last
+        assert "about to crash" in last  # the output just before the crash
+        # The frames inherited from the launching process (here pytest's) are cut off.
+        assert "_pytest" not in last and "notebook_launcher" not in last
+    if how == "sys_exit_2":
+        assert "Traceback of rank 1" in text and "sys.exit(2)" in text
+    assert_all_gone(_pids(tmp_path), within=0.2)
+
+
+def test_sys_exit_zero_is_success_with_value_none(tmp_path):
+    """sys.exit(0) inside the function ends that rank normally, with the value None."""
+    result = notebook_launcher(_sys_exit_zero, args=(str(tmp_path),), num_processes=2)
+    assert list(result) == [0, None]
+    assert [o.status for o in result.outcomes] == ["ok", "ok"]
+    assert_all_gone(_pids(tmp_path), within=0.2)
+
+
+# ----------------------------------------------------------------------------- timeout
+@pytest.mark.timeout(60)
+def test_timeout_shows_where_a_deadlocked_rank_is_blocked(tmp_path):
+    """A deadlock under timeout=3 raises LaunchTimeoutError naming rank 0's all_reduce line."""
+    began = time.monotonic()
+    with pytest.raises(LaunchTimeoutError) as info:
+        notebook_launcher(
+            _skip_all_reduce,
+            args=(str(tmp_path),),
+            num_processes=2,
+            init_process_group=True,
+            timeout=3,
+        )
+    elapsed = time.monotonic() - began
+    assert 3 <= elapsed < 6.5, f"the timeout took {elapsed:.1f} s"
+    err = info.value
+    text = str(err)
+    assert text.startswith("The launch did not finish within timeout=3 s"), text
+    line = _line_of("dist.all_reduce(torch.ones(1))  # rank 1 never joins")
+    assert (
+        f"rank 0 was blocked at `dist.all_reduce(torch.ones(1))  # rank 1 never joins this one` "
+        f"at {THIS_FILE}, line {line}, in _skip_all_reduce"
+    ) in text
+    assert "rank 1 was blocked at `dist.barrier()" in text
+    assert err.timeout == 3
+    assert "all_reduce" in err.stacks[0]
+    assert "barrier" in err.stacks[1]
+    assert "Stack of rank 0 (most recent call last):" in text
+    assert [o.status for o in err.outcomes] == ["stopped", "stopped"]
+    assert_all_gone(_pids(tmp_path), within=0.2)
+
+
+@pytest.mark.timeout(60)
+def test_timeout_stack_shows_the_sleep_line(tmp_path):
+    """A rank sleeping past the timeout is reported at its time.sleep line."""
+    with pytest.raises(LaunchTimeoutError) as info:
+        notebook_launcher(_sleep_long, args=(str(tmp_path),), num_processes=2, timeout=2)
+    err = info.value
+    line = _line_of("time.sleep(60)  # the line the timeout")
+    assert "rank 0 was blocked at `time.sleep(60)" in str(err)
+    assert f"{THIS_FILE}, line {line}, in _sleep_long" in str(err)
+    assert f'{THIS_FILE}", line {line}, in _sleep_long' in err.stacks[0]
+    assert "time.sleep(60)" in err.stacks[0]
+    assert 1 not in err.stacks  # rank 1 had finished
+    assert "rank 1: finished" in str(err)
+    assert_all_gone(_pids(tmp_path), within=0.2)
+
+
+# ----------------------------------------------------------------------------- hang notice
+@pytest.mark.timeout(60)
+def test_hang_notice_names_the_lingering_rank(tmp_path, capsys):
+    """hang_notice_after=0.5 prints where a still-running rank is, and the launch still ends."""
+    result = notebook_launcher(
+        _rank1_lingers, args=(str(tmp_path),), num_processes=2, hang_notice_after=0.5
+    )
+    assert list(result) == [0, 1]
+    err = capsys.readouterr().err
+    assert "[nb_dist] rank 1 is still running" in err, err
+    assert "after rank(s) 0 finished" in err
+    line = _line_of("# lingering rank 1")
+    assert f"`time.sleep(2.5)  # lingering rank 1` at {THIS_FILE}, line {line}" in err
+    assert err.count("is still running") == 1  # one notice per rank, not one per poll
+    assert_all_gone(_pids(tmp_path), within=0.2)
+
+
+@pytest.mark.timeout(60)
+def test_hang_notice_none_disables_it(tmp_path, capsys):
+    """hang_notice_after=None never prints a notice, however long a rank lingers."""
+    result = notebook_launcher(
+        _rank1_lingers, args=(str(tmp_path),), num_processes=2, hang_notice_after=None
+    )
+    assert list(result) == [0, 1]
+    assert "[nb_dist]" not in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- restarts
+@pytest.mark.timeout(60)
+def test_max_restarts_recovers_from_a_failed_attempt(tmp_path, capsys):
+    """max_restarts=2: a failure on attempt 0 restarts all ranks; attempt 1 succeeds."""
+    result = notebook_launcher(
+        _fail_first_attempt, args=(str(tmp_path),), num_processes=2, max_restarts=2
+    )
+    assert list(result) == [(0, 1), (1, 1)]
+    assert result.restarts == 1
+    err = capsys.readouterr().err
+    assert (
+        "[nb_dist] rank 1: failed: RuntimeError: flaky first attempt; restarting all ranks "
+        "(restart 1 of 2)." in err
+    ), err
+    assert "restart 2 of 2" not in err
+    assert sorted(p.name for p in tmp_path.glob("attempt*")) == [
+        "attempt0-rank0",
+        "attempt0-rank1",
+        "attempt1-rank0",
+        "attempt1-rank1",
+    ]
+
+
+@pytest.mark.timeout(60)
+def test_no_restart_by_default(tmp_path, capsys):
+    """max_restarts=0: the same flaky function fails at once, with no restart notice."""
+    with pytest.raises(WorkerFailedError) as info:
+        notebook_launcher(
+            _fail_first_attempt, args=(str(tmp_path),), num_processes=2, max_restarts=0
+        )
+    assert str(info.value).startswith("rank 1 failed first: RuntimeError: flaky first attempt")
+    assert "restarting" not in capsys.readouterr().err
+    assert not list(tmp_path.glob("attempt1-*"))
+
+
+@pytest.mark.timeout(60)
+def test_restarts_exhausted_raises_after_all_attempts(tmp_path, capsys):
+    """max_restarts=1 with a function that always fails: two attempts, then WorkerFailedError."""
+    with pytest.raises(WorkerFailedError) as info:
+        notebook_launcher(_always_fail, args=(str(tmp_path),), num_processes=2, max_restarts=1)
+    assert str(info.value).startswith("rank 1 failed first: RuntimeError: broken on attempt 1")
+    err = capsys.readouterr().err
+    assert "restarting all ranks (restart 1 of 1)." in err
+    assert err.count("restarting all ranks") == 1
+    assert sorted(p.name for p in tmp_path.glob("attempt*-rank1")) == [
+        "attempt0-rank1",
+        "attempt1-rank1",
+    ]
+
+
+# ----------------------------------------------------------------------------- relaunch
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("failure", ["exception", "timeout", "sigkill"])
+def test_same_port_works_again_after_a_failed_launch(tmp_path, failure):
+    """After a failure, a timeout or a SIGKILLed rank, a new launch on the same port works."""
+    port = _free_port()
+    if failure == "exception":
+        with pytest.raises(WorkerFailedError):
+            notebook_launcher(
+                _raise_while_other_waits,
+                args=(str(tmp_path),),
+                num_processes=2,
+                init_process_group=True,
+                use_port=port,
+            )
+    elif failure == "timeout":
+        with pytest.raises(LaunchTimeoutError):
+            notebook_launcher(
+                _skip_all_reduce,
+                args=(str(tmp_path),),
+                num_processes=2,
+                init_process_group=True,
+                use_port=port,
+                timeout=2,
+            )
+    else:
+        with pytest.raises(WorkerFailedError) as info:
+            notebook_launcher(
+                _crash_while_other_waits,
+                args=(str(tmp_path), "sigkill"),
+                num_processes=2,
+                init_process_group=True,
+                use_port=port,
+            )
+        assert info.value.root_cause.signal_name == "SIGKILL"
+    assert_all_gone(_pids(tmp_path), within=0.2)
+
+    result = notebook_launcher(
+        _all_reduce_sum, num_processes=2, init_process_group=True, use_port=port
+    )
+    assert list(result) == [3.0, 3.0]
+    assert result.port == port
