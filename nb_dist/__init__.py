@@ -19,22 +19,60 @@ from .errors import (
 from .launcher import notebook_launcher
 from .precision import autocast, autocast_dtype, mixed_precision, needs_grad_scaler
 from .preflight import install_cuda_touch_recorder as _install_cuda_touch_recorder
+from .reporting import (
+    ReportEntry,
+    Reports,
+    is_main_process,
+    local_rank,
+    local_reports,
+    main_process_first,
+    progress,
+    rank,
+    report,
+    world_size,
+)
 from .result import LaunchResult
+from .views import (
+    AllReduceStepper,
+    GradientView,
+    LossScaleView,
+    PrecisionExplorer,
+    ShardExplorer,
+    consumed_view,
+    rank_color,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AllReduceStepper",
+    "GradientView",
     "LaunchError",
     "LaunchResult",
     "LaunchTimeoutError",
+    "LossScaleView",
+    "PrecisionExplorer",
     "RankOutcome",
+    "ReportEntry",
+    "Reports",
+    "ShardExplorer",
     "UnsafeLaunchError",
     "WorkerFailedError",
     "autocast",
     "autocast_dtype",
+    "consumed_view",
+    "is_main_process",
+    "local_rank",
+    "local_reports",
+    "main_process_first",
     "mixed_precision",
     "needs_grad_scaler",
     "notebook_launcher",
+    "progress",
+    "rank",
+    "rank_color",
+    "report",
+    "world_size",
 ]
 
 # Let torch.cuda.is_available() ask NVML instead of initializing CUDA, so that checking for a

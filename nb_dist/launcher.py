@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import ports, preflight
-from .errors import WorkerFailedError
+from .errors import LaunchTimeoutError, WorkerFailedError
 from .output import DEFAULT_PREFIX, OUTPUT_MODES, OutputRouter
 from .precision import normalize_mixed_precision
 from .result import LaunchResult
@@ -47,6 +47,7 @@ def notebook_launcher(
     device: str = "auto",
     threads_per_process: int | None = None,
     hang_notice_after: float | None = 30.0,
+    monitor: bool = False,
 ) -> LaunchResult:
     """Run ``function(*args)`` on ``num_processes`` workers and return every rank's value.
 
@@ -91,6 +92,9 @@ def notebook_launcher(
             ``OMP_NUM_THREADS`` is set.
         hang_notice_after: when some ranks finished and another still runs this many seconds
             later, print where it is (a likely deadlock) and keep waiting. ``None``: never.
+        monitor: show a live per-rank dashboard (status, time, progress bars from
+            :func:`nb_dist.progress`, last output, curves of reported scalars) in the cell.
+            Only in a Jupyter kernel; the labelled text output is printed either way.
 
     Returns:
         A :class:`~nb_dist.LaunchResult`: a list of the ranks' return values, with their
@@ -180,9 +184,14 @@ def notebook_launcher(
     ranks = [node_rank * nprocs + local for local in range(nprocs)]
     prefix = log_line_prefix_template or DEFAULT_PREFIX
 
+    if not isinstance(monitor, bool):
+        raise TypeError(f"monitor={monitor!r} must be True or False.")
+    live_view = _open_monitor(ranks) if monitor else None
+
     attempt = 0
     while True:
         router = OutputRouter(ranks, output_mode, prefix)
+        router.observer = live_view
         store = None
         if node_rank == 0:
             store = ports.open_store(master_addr, port, world_size, _STORE_TIMEOUT)
@@ -226,14 +235,21 @@ def notebook_launcher(
                 poll_interval=poll,
                 payload=payload,
                 linecache_entries=_cell_sources() if payload is not None else {},
+                observer=live_view,
             )
             supervisor = Supervisor(config)
             try:
                 outcome = supervisor.run()
             finally:
                 ports.started_worker_pids.update(w.pid for w in supervisor.workers if w.pid)
-        except WorkerFailedError as failure:
-            if attempt >= restarts:
+        except KeyboardInterrupt:
+            if live_view is not None:
+                live_view.close(interrupted=True)
+            raise
+        except (WorkerFailedError, LaunchTimeoutError) as failure:
+            if live_view is not None:
+                live_view.close(failure.outcomes)
+            if attempt >= restarts or isinstance(failure, LaunchTimeoutError):
                 raise
             attempt += 1
             router.notice(
@@ -245,8 +261,11 @@ def notebook_launcher(
             if store is not None:
                 ports.forget_store(store)
                 store = None  # drops the last reference: the server stops, the port is free
+        if live_view is not None:
+            live_view.close(outcome.outcomes)
         return LaunchResult(
             values=outcome.values,
+            reports=outcome.reports,
             ranks=ranks,
             outcomes=outcome.outcomes,
             logs=[router.log_text(i) for i in range(nprocs)],
@@ -416,3 +435,16 @@ def _pickle_for_spawn(function: Callable[..., Any], args: tuple[Any, ...]) -> by
 def _cell_sources() -> dict[str, Any]:
     """linecache entries of notebook cells, so spawned workers' tracebacks show the code."""
     return {name: entry for name, entry in linecache.cache.items() if cell_label(name)}
+
+
+def _open_monitor(ranks: list[int]) -> Any:
+    """Display the live monitor in the cell, where a frontend may render it; else nothing."""
+    from .monitor import LaunchMonitor, kernel_frontend_possible
+
+    if not kernel_frontend_possible():
+        return None
+    from IPython.display import display
+
+    view = LaunchMonitor(ranks)
+    display(view)
+    return view

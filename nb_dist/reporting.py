@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import sys
 import threading
 import time
@@ -86,6 +87,16 @@ class Reports(dict):  # type: ignore[type-arg]
 
 
 # ----------------------------------------------------------------- worker side
+def send_message(control: Any, message: tuple[Any, ...]) -> None:
+    """Send one control message with plain pickle.
+
+    ``Connection.send`` would use multiprocessing's pickler, for which torch registers
+    reductions that pass tensors through shared memory owned by the sender: they vanish when
+    the worker exits. Plain pickle copies the data.
+    """
+    control.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+
 class _Sink:
     """The worker's end of the channel: a buffer, a lock, and a thread that flushes it."""
 
@@ -113,7 +124,7 @@ class _Sink:
         """Send a control message after everything reported so far (keeps the order)."""
         with self._lock:
             self._flush_locked()
-            self._control.send(message)
+            send_message(self._control, message)
 
     def flush(self) -> None:
         with self._lock:
@@ -122,7 +133,7 @@ class _Sink:
     def _flush_locked(self) -> None:
         if self._buffer:
             items, self._buffer = self._buffer, []
-            self._control.send(("reports", items))
+            send_message(self._control, ("reports", items))
 
     def _flush_loop(self) -> None:
         while not self._closed.wait(_FLUSH_EVERY):
@@ -130,7 +141,9 @@ class _Sink:
                 self.flush()
 
     def close(self) -> None:
+        """Stop the flusher and send what is left; afterwards the caller owns the pipe alone."""
         self._closed.set()
+        self._thread.join()
         with contextlib.suppress(OSError, EOFError):
             self.flush()
 

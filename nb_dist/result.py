@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .errors import RankOutcome
+from .reporting import Reports
 
 
 class LaunchResult(list):  # type: ignore[type-arg]
@@ -23,6 +24,8 @@ class LaunchResult(list):  # type: ignore[type-arg]
         port: the rendezvous port used.
         start_method: ``"fork"``, ``"spawn"`` or ``"forkserver"``.
         restarts: how many times the group was restarted (``max_restarts``).
+        reports: everything the ranks sent with :func:`nb_dist.report`:
+            ``reports[name][rank]`` → list of ``(step, value)``.
     """
 
     def __init__(
@@ -36,6 +39,7 @@ class LaunchResult(list):  # type: ignore[type-arg]
         port: int,
         start_method: str,
         restarts: int = 0,
+        reports: Reports | None = None,
     ) -> None:
         super().__init__(values)
         self.ranks = ranks
@@ -46,6 +50,7 @@ class LaunchResult(list):  # type: ignore[type-arg]
         self.port = port
         self.start_method = start_method
         self.restarts = restarts
+        self.reports = reports if reports is not None else Reports()
 
     @property
     def by_rank(self) -> dict[int, Any]:

@@ -229,6 +229,8 @@ class Supervisor:
             self._flush_stale_partials()
             self._check_failures()
             self._check_stragglers()
+            if self.observer is not None:
+                self.observer.tick()
         return False
 
     def _pump(self, wait: float) -> None:
@@ -256,10 +258,19 @@ class Supervisor:
 
     def _read_control(self, worker: _Worker, conn: Connection) -> None:
         try:
-            message = conn.recv()
+            data = conn.recv_bytes()
         except (EOFError, OSError):
             self._unregister(conn)
             worker.control_closed_at = time.monotonic()
+            return
+        try:
+            message = pickle.loads(data)
+        except Exception as exc:
+            self.router.notice(
+                f"could not read a message from rank {worker.outcome.rank} "
+                f"({type(exc).__name__}: {exc}); report plain data (numbers, tensors, lists, "
+                "dicts) or objects of classes the kernel can import."
+            )
             return
         tag = message[0]
         if tag == "reports":

@@ -98,7 +98,9 @@ def run_worker(spec: WorkerSpec, channels: WorkerChannels, forked: bool) -> None
 def _run(spec: WorkerSpec, channels: WorkerChannels, forked: bool) -> int:
     _detach_from_kernel(spec, channels, forked)
     control = channels.control
-    control.send(("hello", os.getpid(), threading.main_thread().ident, time.monotonic()))
+    reporting.send_message(
+        control, ("hello", os.getpid(), threading.main_thread().ident, time.monotonic())
+    )
     sink = reporting.install_sink(control, spec.rank)
 
     started = time.monotonic()
@@ -127,11 +129,12 @@ def _run(spec: WorkerSpec, channels: WorkerChannels, forked: bool) -> int:
             "(numbers, strings, lists, dicts, tensors, a state_dict), or save it to a file and "
             "return the path."
         )
-        control.send(
-            ("error", _error_record("UnpicklableResultError", message, "", time.monotonic()))
+        reporting.send_message(
+            control,
+            ("error", _error_record("UnpicklableResultError", message, "", time.monotonic())),
         )
         return 1
-    control.send(("result", time.monotonic() - started))
+    reporting.send_message(control, ("result", time.monotonic() - started))
     control.send_bytes(data)
     return 0
 
@@ -318,7 +321,9 @@ def _report_exception(control: Connection, exc: BaseException, spec: WorkerSpec)
             "init_process_group=False and keep it."
         )
     with contextlib.suppress(OSError, EOFError):
-        control.send(("error", _error_record(_type_name(exc), message, text, failed_at)))
+        reporting.send_message(
+            control, ("error", _error_record(_type_name(exc), message, text, failed_at))
+        )
 
 
 def _error_record(exc_type: str, message: str, text: str, failed_at: float) -> dict[str, Any]:

@@ -8,6 +8,8 @@ everywhere else (``print``, scripts, nbconvert, nbval) it shows a deterministic 
 - :class:`ShardExplorer`: which samples each rank gets from ``DistributedSampler``
   (padding, ``drop_last``, ``set_epoch``), and :func:`consumed_view` for a real run.
 - :class:`AllReduceStepper`: ring all-reduce step by step (reduce-scatter, all-gather, bytes).
+- :class:`GradientView`: per-rank gradients before and after DDP's all-reduce, and drift
+  across ranks under ``no_sync()``.
 - :class:`PrecisionExplorer`: a value in fp32/fp16/bf16, and :class:`LossScaleView` for a
   GradScaler trace.
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 from .allreduce_stepper import AllReduceStepper, RingStep, chunk_bounds, ring_allreduce_steps
 from .colors import rank_color, rank_colors
+from .gradient_view import GradientView
 from .precision_explorer import (
     FinfoRow,
     LossScaleView,
@@ -33,6 +36,7 @@ __all__ = [
     "AllReduceStepper",
     "ConsumedView",
     "FinfoRow",
+    "GradientView",
     "LossScaleView",
     "PrecisionExplorer",
     "Representation",
