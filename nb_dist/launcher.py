@@ -83,8 +83,10 @@ def notebook_launcher(
             the function and args are shipped with cloudpickle).
         timeout: stop everything after this many seconds and raise
             :class:`~nb_dist.LaunchTimeoutError` showing where each rank was blocked.
-        output: ``"all"`` ranks' output in the cell, ``"rank0"`` only, or ``"none"``. Every
-            rank's output is kept in ``result.logs`` either way.
+        output: ``"all"`` ranks' output in the cell as it comes, ``"rank0"`` only,
+            ``"grouped"`` (every rank's lines, rank by rank, when the launch ends: the same on
+            every run, as notebooks checked by nbval need), or ``"none"``. Every rank's output
+            is kept in ``result.logs`` either way.
         init_process_group: create the default process group in each worker before calling
             ``function`` (off by default, so code that creates it itself runs unchanged).
         device: ``"auto"`` (GPUs if any, else CPU), ``"cpu"`` or ``"cuda"``.
@@ -241,6 +243,7 @@ def notebook_launcher(
             try:
                 outcome = supervisor.run()
             finally:
+                router.finish()
                 ports.started_worker_pids.update(w.pid for w in supervisor.workers if w.pid)
         except KeyboardInterrupt:
             if live_view is not None:

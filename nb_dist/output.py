@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Any, TextIO
 
-OUTPUT_MODES = ("all", "rank0", "none")
+OUTPUT_MODES = ("all", "rank0", "grouped", "none")
 DEFAULT_PREFIX = "[rank ${rank}] "
 
 
@@ -73,6 +73,8 @@ class OutputRouter:
         self._stdout = stdout
         self._stderr = stderr
         self.logs: list[list[str]] = [[] for _ in ranks]
+        # "grouped": (stream, line) per rank, written rank by rank when the launch ends.
+        self._held: list[list[tuple[str, str]]] = [[] for _ in ranks]
         self.observer: Any = None  # a live view that also wants every line (the monitor)
 
     def _stream(self, name: str) -> TextIO:
@@ -92,11 +94,27 @@ class OutputRouter:
         self.logs[local_rank].extend(lines)
         if self.observer is not None:
             self.observer.lines(local_rank, stream, lines)
-        if self.shows(local_rank):
+        if self.mode == "grouped":
+            self._held[local_rank].extend((stream, line) for line in lines)
+        elif self.shows(local_rank):
             prefix = self._prefixes[local_rank]
             out = self._stream(stream)
             out.write("".join(f"{prefix}{line}\n" for line in lines))
             out.flush()
+
+    def finish(self) -> None:
+        """End of a launch: in ``"grouped"`` mode, write every rank's lines, rank by rank.
+
+        Live lines of different ranks interleave in whatever order the OS schedules them;
+        grouped output is the same on every run, which is what notebooks checked by nbval need.
+        """
+        for local, held in enumerate(self._held):
+            prefix = self._prefixes[local]
+            for stream, line in held:
+                self._stream(stream).write(f"{prefix}{line}\n")
+            held.clear()
+        for name in ("stdout", "stderr"):
+            self._stream(name).flush()
 
     def notice(self, text: str) -> None:
         """A message from the launcher itself (not from a rank), on stderr."""

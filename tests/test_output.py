@@ -140,6 +140,23 @@ def test_output_rank0_shows_rank0_only_but_logs_all(capsys):
     assert sorted(result.logs[0].splitlines()) == ["hello from 0", "warning from 0"]
 
 
+def _interleaved(count: int):
+    rank = int(os.environ["RANK"])
+    for i in range(count):
+        print(f"step {i} on rank {rank}", flush=True)
+    return rank
+
+
+@pytest.mark.parametrize("repeat", range(2))
+def test_output_grouped_is_rank_by_rank_and_identical_every_run(capsys, repeat):
+    """output='grouped': all of rank 0's lines, then rank 1's, whatever the timing was."""
+    notebook_launcher(_interleaved, args=(50,), num_processes=2, output="grouped")
+    expected = "".join(
+        f"[rank {rank}] step {i} on rank {rank}\n" for rank in range(2) for i in range(50)
+    )
+    assert capsys.readouterr().out == expected
+
+
 def test_output_none_shows_nothing_but_logs_all(capsys):
     """output='none': nothing is printed; every rank's output is still in result.logs."""
     result = notebook_launcher(_hello, num_processes=2, output="none")
