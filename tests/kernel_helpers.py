@@ -1,0 +1,226 @@
+"""Drive a real ipykernel with jupyter_client and read what each cell published on iopub."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import socket
+import sys
+import textwrap
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from jupyter_client import BlockingKernelClient, KernelManager
+from jupyter_client.kernelspec import KernelSpecManager
+
+KERNEL_NAME = "nb-dist-test"
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
+def start_kernel(workdir: Path) -> tuple[KernelManager, BlockingKernelClient]:
+    """Start an ipykernel running this very interpreter, with OMP_NUM_THREADS=1."""
+    spec_dir = workdir / "kernels" / KERNEL_NAME
+    spec_dir.mkdir(parents=True, exist_ok=True)
+    (spec_dir / "kernel.json").write_text(
+        json.dumps(
+            {
+                "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+                "display_name": "nb_dist tests",
+                "language": "python",
+                "interrupt_mode": "signal",
+            }
+        )
+    )
+    specs = KernelSpecManager(kernel_dirs=[str(workdir / "kernels")])
+    km = KernelManager(kernel_name=KERNEL_NAME, kernel_spec_manager=specs)
+    km.connection_file = str(workdir / "connection.json")
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = "1"
+    km.start_kernel(env=env, cwd=str(workdir))
+    try:
+        kc = connect(km)
+    except BaseException:
+        km.shutdown_kernel(now=True)
+        raise
+    return km, kc
+
+
+def connect(km: KernelManager) -> BlockingKernelClient:
+    kc = km.client()
+    kc.start_channels()
+    try:
+        kc.wait_for_ready(timeout=60)
+    except BaseException:
+        kc.stop_channels()
+        raise
+    return kc
+
+
+def stop_kernel(km: KernelManager, kc: BlockingKernelClient | None) -> None:
+    if kc is not None:
+        kc.stop_channels()
+    km.shutdown_kernel(now=True)
+
+
+def kernel_pid(km: KernelManager) -> int:
+    return km.provisioner.process.pid  # type: ignore[union-attr]
+
+
+def kernel_ports(km: KernelManager) -> dict[str, int]:
+    info = km.get_connection_info()
+    return {name: int(info[name]) for name in info if name.endswith("_port")}
+
+
+@dataclass
+class Message:
+    """One iopub message as the test saw it: its type, content, parent and arrival time."""
+
+    msg_type: str
+    content: dict[str, Any]
+    parent_id: str | None
+    arrived: float  # time.monotonic() in the test process
+    sent_date: float | None  # the kernel's header date, as time.time()
+
+
+@dataclass
+class Execution:
+    """Everything one execute_request produced."""
+
+    code: str
+    msg_id: str
+    sent_at: float  # time.monotonic()
+    mine: list[Message] = field(default_factory=list)  # iopub messages with this parent, to idle
+    late: list[Message] = field(default_factory=list)  # with this parent, after idle
+    foreign: list[Message] = field(default_factory=list)  # other parents, seen meanwhile
+    reply: dict[str, Any] | None = None
+    idle_at: float | None = None
+
+    @property
+    def streams(self) -> list[Message]:
+        return [m for m in self.mine if m.msg_type == "stream"]
+
+    def stdout(self) -> str:
+        return "".join(m.content["text"] for m in self.streams if m.content["name"] == "stdout")
+
+    def stderr(self) -> str:
+        return "".join(m.content["text"] for m in self.streams if m.content["name"] == "stderr")
+
+    @property
+    def error(self) -> dict[str, Any] | None:
+        errors = [m.content for m in self.mine if m.msg_type == "error"]
+        return errors[-1] if errors else None
+
+    def error_text(self) -> str:
+        """The error's evalue and its traceback, without terminal colours."""
+        err = self.error
+        if err is None:
+            return ""
+        return err["evalue"] + "\n" + _ANSI.sub("", "\n".join(err["traceback"]))
+
+    @property
+    def result_text(self) -> str | None:
+        results = [m.content for m in self.mine if m.msg_type == "execute_result"]
+        return results[-1]["data"]["text/plain"] if results else None
+
+    @property
+    def execution_count(self) -> int:
+        assert self.reply is not None
+        return self.reply["content"]["execution_count"]
+
+    def expect_ok(self) -> Execution:
+        assert self.error is None, f"cell failed:\n{self.code}\n{self.error_text()}"
+        assert self.reply is not None and self.reply["content"]["status"] == "ok", self.reply
+        assert not self.late, f"messages after idle: {self.late}"
+        return self
+
+
+def send(kc: BlockingKernelClient, code: str) -> Execution:
+    code = textwrap.dedent(code).strip("\n") + "\n"
+    sent_at = time.monotonic()
+    msg_id = kc.execute(code, store_history=True)
+    return Execution(code=code, msg_id=msg_id, sent_at=sent_at)
+
+
+def _to_message(raw: dict[str, Any]) -> Message:
+    date = raw["header"].get("date")
+    return Message(
+        msg_type=raw["msg_type"],
+        content=raw["content"],
+        parent_id=(raw.get("parent_header") or {}).get("msg_id"),
+        arrived=time.monotonic(),
+        sent_date=date.timestamp() if hasattr(date, "timestamp") else None,
+    )
+
+
+def collect(
+    kc: BlockingKernelClient, run: Execution, timeout: float = 60, late_window: float = 1.0
+) -> Execution:
+    """Read iopub until this request's idle status, then ``late_window`` s more, and the reply."""
+    deadline = time.monotonic() + timeout
+    while run.idle_at is None:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise AssertionError(f"no idle status within {timeout} s for cell:\n{run.code}")
+        try:
+            msg = _to_message(kc.get_iopub_msg(timeout=min(remaining, 0.5)))
+        except queue.Empty:
+            continue
+        if msg.parent_id != run.msg_id:
+            run.foreign.append(msg)
+        elif msg.msg_type == "status" and msg.content["execution_state"] == "idle":
+            run.idle_at = msg.arrived
+        else:
+            run.mine.append(msg)
+    while run.reply is None:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise AssertionError(f"no execute_reply within {timeout} s for cell:\n{run.code}")
+        try:
+            reply = kc.get_shell_msg(timeout=min(remaining, 0.5))
+        except queue.Empty:
+            continue
+        if reply["parent_header"].get("msg_id") == run.msg_id:
+            run.reply = reply
+    late_until = time.monotonic() + late_window
+    while (remaining := late_until - time.monotonic()) > 0:
+        try:
+            msg = _to_message(kc.get_iopub_msg(timeout=remaining))
+        except queue.Empty:
+            break
+        (run.late if msg.parent_id == run.msg_id else run.foreign).append(msg)
+    return run
+
+
+def execute(
+    kc: BlockingKernelClient, code: str, timeout: float = 60, late_window: float = 0.0
+) -> Execution:
+    """Run ``code`` in the kernel and return what it published (see :func:`collect`)."""
+    return collect(kc, send(kc, code), timeout=timeout, late_window=late_window)
+
+
+def line_in(code: str, marker: str) -> int:
+    """1-based line number of the first line of a cell's code that contains ``marker``."""
+    for number, line in enumerate(textwrap.dedent(code).strip("\n").splitlines(), start=1):
+        if marker in line:
+            return number
+    raise AssertionError(f"{marker!r} not in cell:\n{code}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_files(folder: Path, pattern: str, count: int, within: float) -> list[Path]:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        found = sorted(folder.glob(pattern))
+        if len(found) >= count and all(p.read_text() for p in found):
+            return found
+        time.sleep(0.02)
+    raise AssertionError(f"{count} files {pattern} did not appear in {folder} within {within} s")
