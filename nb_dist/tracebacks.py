@@ -72,10 +72,21 @@ def parse_fault_dump(dump: str, thread_ident: int | None) -> list[tuple[str, int
     return list(reversed(chosen))
 
 
+def worker_frames(frames: list[tuple[str, int, str]]) -> list[tuple[str, int, str]]:
+    """Drop the frames below the worker's entry point (most recent last).
+
+    A forked worker's stack still holds the frames of whatever called the launcher in the
+    kernel (IPython, pytest, ...) below nb_dist's worker entry: they are not the rank's work.
+    """
+    worker_file = os.path.join(_PACKAGE_DIR, "worker.py")
+    entry = [i for i, f in enumerate(frames) if os.path.abspath(f[0]) == worker_file]
+    return frames[entry[-1] + 1 :] if entry else frames
+
+
 def format_frames(frames: list[tuple[str, int, str]]) -> str:
     """Format frames like a Python traceback body, with cell labels and source lines."""
     lines = []
-    for filename, lineno, name in frames:
+    for filename, lineno, name in worker_frames(frames):
         if os.path.dirname(os.path.abspath(filename)) == _PACKAGE_DIR:
             continue
         label = cell_label(filename)
@@ -94,7 +105,7 @@ def innermost_user_frame(frames: list[tuple[str, int, str]]) -> str | None:
     code that led there, so report the innermost frame whose file is not in a library.
     """
     library_markers = (os.sep + "site-packages" + os.sep, os.sep + "lib" + os.sep + "python")
-    for filename, lineno, name in reversed(frames):
+    for filename, lineno, name in reversed(worker_frames(frames)):
         if any(m in filename for m in library_markers) or filename.startswith("<frozen"):
             continue
         if os.path.dirname(os.path.abspath(filename)) == _PACKAGE_DIR:

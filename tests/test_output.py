@@ -315,10 +315,10 @@ def test_parse_fault_dump_of_a_real_two_thread_dump(tmp_path):
 
 
 def test_format_frames_drops_launcher_frames_and_shows_source():
-    """format_frames reads like a traceback body: the user's source is shown, nb_dist's hidden."""
+    """format_frames reads like a traceback body: the user's source is shown; nb_dist's frames
+    and everything below the worker's entry (the caller's frames a fork inherits) are hidden."""
     text = format_frames(parse_fault_dump(FAULT_DUMP, MAIN_IDENT))
     assert text.splitlines() == [
-        '  File "<frozen runpy>", line 88, in _run_code',
         f'  File "{__file__}", line {USER_LINE}, in _user_train_step',
         "    def _user_train_step():  # a stand-in for the user's code in the dump above",
         '  File "/opt/venv/lib/python3.11/site-packages/torch/distributed/c10d_logger.py", '
