@@ -14,10 +14,11 @@ and evaluate.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .launcher import notebook_launcher
@@ -143,6 +144,11 @@ def train(epochs: int = 3, seed: int = 0, fail_rank: int | None = None) -> dict[
         f"{accuracy:.3f}, parameters {checksum[:12]} (mixed precision {mixed_precision()})",
         flush=True,
     )
+    # Free DDP before destroying the group. Its C++ Reducer holds the process group and is
+    # freed with the GIL held; if it dropped the group's last reference, gloo's destructor
+    # would wait for its worker thread, which may need the GIL: a rare hang at exit.
+    del model, optimizer, loss
+    gc.collect()  # DDP sits in a reference cycle: free it now, not at some later collection
     dist.destroy_process_group()
     return {
         "rank": rank,
@@ -180,6 +186,10 @@ class DemoSummary:
     @property
     def min_accuracy(self) -> float:
         return min(r["accuracy"] for r in self.ranks)
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain data (JSON-serializable): the fields, with one dict per rank."""
+        return asdict(self)
 
     def table(self) -> str:
         """The per-rank table, the weight check and the wall time, as printed by the demo."""

@@ -42,7 +42,7 @@ class LaunchMonitor:
 
         self.ranks = ranks
         self.status = ["starting"] * len(ranks)
-        self.started = [time.monotonic()] * len(ranks)
+        self.started_at = [time.monotonic()] * len(ranks)  # not `started`: that is a hook
         self.ended: list[float | None] = [None] * len(ranks)
         self.tails: list[list[str]] = [[] for _ in ranks]
         self.errors: list[str] = [""] * len(ranks)
@@ -82,7 +82,7 @@ class LaunchMonitor:
     # ------------------------------------------------------------- observer hooks
     def started(self, local_rank: int) -> None:
         self.status[local_rank] = "running"
-        self.started[local_rank] = time.monotonic()
+        self.started_at[local_rank] = time.monotonic()
         self._dirty = True
 
     def lines(self, local_rank: int, stream: str, lines: list[str]) -> None:
@@ -158,7 +158,7 @@ class LaunchMonitor:
         _, state, bar, tail = self._rows[local]
         status = self.status[local]
         end = self.ended[local] or now
-        elapsed = max(0.0, end - self.started[local])
+        elapsed = max(0.0, end - self.started_at[local])
         color = _STATUS_COLORS.get(status, "#888888")
         text = f'<span style="color:{color}"><b>{status}</b></span> · {elapsed:.1f} s'
         progress = self.progress_state[local]

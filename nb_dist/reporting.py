@@ -116,9 +116,13 @@ class _Sink:
         if step is None:
             step = self._steps.get(name, -1) + 1
         self._steps[name] = step
-        self._buffer.append((name, step, time.time(), value))
-        if len(self._buffer) >= _MAX_BATCH:
-            self.flush()
+        entry = (name, step, time.time(), value)
+        # Under the lock: the flusher thread swaps the buffer, and an append to the list it
+        # has just taken (between reading self._buffer and appending) would be lost.
+        with self._lock:
+            self._buffer.append(entry)
+            if len(self._buffer) >= _MAX_BATCH:
+                self._flush_locked()
 
     def send(self, message: tuple[Any, ...]) -> None:
         """Send a control message after everything reported so far (keeps the order)."""

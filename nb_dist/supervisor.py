@@ -119,6 +119,8 @@ class Supervisor:
         self._selector = selectors.DefaultSelector()
         self._lifeline_reader: Connection | None = None
         self._lifeline_writer: Connection | None = None
+        self._gate_reader: Connection | None = None
+        self._gate_writer: Connection | None = None
         self._first_finish: float | None = None
         self._hang_noticed: set[int] = set()
         self._failure_seen = False
@@ -149,6 +151,7 @@ class Supervisor:
     # ----------------------------------------------------------------- start
     def _start_all(self) -> None:
         self._lifeline_reader, self._lifeline_writer = multiprocessing.Pipe(duplex=False)
+        self._gate_reader, self._gate_writer = multiprocessing.Pipe(duplex=False)
         context = None
         if self.config.start_method == "forkserver":
             context = multiprocessing.get_context("forkserver")
@@ -156,6 +159,10 @@ class Supervisor:
             self._start(worker, context)
         # The kernel keeps only the lifeline's write end: its EOF tells workers the kernel died.
         self._lifeline_reader.close()
+        # Open the start gate (EOF): ranks connect to the store only once all are forked, so
+        # no fork copies a lock that the store's server thread holds (see worker._wait_for_gate).
+        self._gate_writer.close()
+        self._gate_reader.close()
 
     def _start(self, worker: _Worker, context: Any) -> None:
         cfg = self.config
@@ -164,12 +171,18 @@ class Supervisor:
         ctl_r, ctl_w = multiprocessing.Pipe(duplex=False)
         stk_r, stk_w = multiprocessing.Pipe(duplex=False)
         assert self._lifeline_reader is not None and self._lifeline_writer is not None
+        assert self._gate_reader is not None and self._gate_writer is not None
         channels = WorkerChannels(
-            stdout=out_w, stderr=err_w, control=ctl_w, stack=stk_w, lifeline=self._lifeline_reader
+            stdout=out_w,
+            stderr=err_w,
+            control=ctl_w,
+            stack=stk_w,
+            lifeline=self._lifeline_reader,
+            gate=self._gate_reader,
         )
         worker.readers = [out_r, err_r, ctl_r, stk_r]
         kernel_fds = [c.fileno() for w in self.workers for c in w.readers]
-        kernel_fds.append(self._lifeline_writer.fileno())
+        kernel_fds += [self._lifeline_writer.fileno(), self._gate_writer.fileno()]
         spec = WorkerSpec(
             rank=worker.outcome.rank,
             local_rank=worker.local_rank,
@@ -491,6 +504,9 @@ class Supervisor:
             self._lifeline_writer.close()
         if self._lifeline_reader is not None and not self._lifeline_reader.closed:
             self._lifeline_reader.close()
+        for gate in (self._gate_writer, self._gate_reader):
+            if gate is not None and not gate.closed:
+                gate.close()
 
     # ----------------------------------------------------------------- results
     def _result(self) -> AttemptResult:
@@ -626,6 +642,7 @@ def _spawn(spec: WorkerSpec, channels: WorkerChannels) -> subprocess.Popen[bytes
         "control": channels.control.fileno(),
         "stack": channels.stack.fileno(),
         "lifeline": channels.lifeline.fileno(),
+        "gate": channels.gate.fileno(),
     }
     env = dict(os.environ)
     env.update(spec.env)

@@ -68,6 +68,8 @@ class WorkerChannels:
     control: Connection
     stack: Connection
     lifeline: Connection
+    # Read end of the start gate: EOF once the kernel has started every rank.
+    gate: Connection
 
 
 def spawn_main() -> None:
@@ -102,6 +104,7 @@ def _run(spec: WorkerSpec, channels: WorkerChannels, forked: bool) -> int:
         control, ("hello", os.getpid(), threading.main_thread().ident, time.monotonic())
     )
     sink = reporting.install_sink(control, spec.rank)
+    _wait_for_gate(channels.gate)
 
     started = time.monotonic()
     try:
@@ -168,6 +171,7 @@ def _detach_from_kernel(spec: WorkerSpec, channels: WorkerChannels, forked: bool
                 channels.control.fileno(),
                 channels.stack.fileno(),
                 channels.lifeline.fileno(),
+                channels.gate.fileno(),
             }
         )
         _silence_inherited_display()
@@ -186,6 +190,20 @@ def _detach_from_kernel(spec: WorkerSpec, channels: WorkerChannels, forked: bool
 
     os.environ.update(spec.env)
     os.environ[WORKER_ENV_FLAG] = str(spec.rank)
+
+
+def _wait_for_gate(gate: Connection) -> None:
+    """Wait until the kernel has started every rank: it then closes the gate's write end.
+
+    The kernel hosts the rendezvous store, whose server thread resolves the address of each
+    rank that connects (getnameinfo, with a reverse DNS lookup). A rank forked while that
+    thread holds libc's resolver lock inherits the lock held and hangs forever at its own
+    first lookup, inside init_process_group. So no rank may connect before the last is forked.
+    """
+    with contextlib.suppress(EOFError, OSError):
+        while True:
+            gate.recv_bytes()
+    gate.close()
 
 
 def _die_with_parent(spec: WorkerSpec) -> None:

@@ -127,6 +127,11 @@ class GradientView(_WidgetView):
     # ------------------------------------------------------------- divergence
     def divergence(self, name: str) -> list[tuple[int, float]]:
         """Per step, the largest difference of ``name`` across ranks (0 = ranks agree)."""
+        if name not in self.reports:
+            known = ", ".join(repr(n) for n in sorted(self.reports)) or "none"
+            raise KeyError(
+                f"GradientView.divergence: no reports named {name!r} (reported names: {known})."
+            )
         series = self.reports[name]
         steps = sorted({s for entries in series.values() for s, _ in entries})
         return [(step, _max_spread(_at_step(series, step))) for step in steps]
