@@ -52,22 +52,3 @@ def no_leftover_processes():
         with contextlib.suppress(psutil.Error):
             psutil.Process(pid).kill()
     pytest.fail(f"processes left behind by this test: {left}")
-
-
-def assert_all_gone(pids, within: float = 2.0) -> None:
-    """Assert that every pid has exited (or is a zombie) within ``within`` seconds."""
-    deadline = time.monotonic() + within
-    alive = list(pids)
-    while time.monotonic() < deadline:
-        alive = [p for p in pids if _alive(p)]
-        if not alive:
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"worker processes still alive after {within} s: {alive}")
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import assert_all_gone
+from process_helpers import assert_all_gone
 
 import nb_dist
 from nb_dist.demo import TRAIN_POINTS, DemoSummary, run_demo

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import assert_all_gone
+from process_helpers import assert_all_gone
 
 from nb_dist import LaunchTimeoutError, WorkerFailedError, notebook_launcher
 

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import assert_all_gone
 from kernel_helpers import (
     collect,
     connect,
@@ -29,6 +28,7 @@ from kernel_helpers import (
     stop_kernel,
     wait_for_files,
 )
+from process_helpers import assert_all_gone
 
 pytestmark = pytest.mark.kernel
 

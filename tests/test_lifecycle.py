@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import assert_all_gone
+from process_helpers import assert_all_gone
 
 from nb_dist import notebook_launcher
 

@@ -14,7 +14,7 @@ import psutil
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import assert_all_gone
+from process_helpers import assert_all_gone
 
 from nb_dist import notebook_launcher
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import assert_all_gone
+from process_helpers import assert_all_gone
 
 from nb_dist import WorkerFailedError, notebook_launcher
 
