@@ -242,7 +242,7 @@ def test_rdzv_endpoint_is_honoured():
     ("name", "value", "choices"),
     [
         ("start_method", "thread", "'fork', 'spawn', 'forkserver'"),
-        ("output", "rank1", "'all', 'rank0', 'none'"),
+        ("output", "rank1", "'all', 'rank0', 'grouped', 'none'"),
         ("device", "tpu", "'auto', 'cpu', 'cuda'"),
         ("device", None, "'auto', 'cpu', 'cuda'"),
     ],
