@@ -28,10 +28,12 @@ import socket
 import statistics
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as torch_mp
@@ -110,10 +112,40 @@ def stats(samples: list[float]) -> dict[str, float | int]:
     }
 
 
-def time_once(launch: Callable[[int], None], n: int) -> float:
+# A launch that takes longer than this is hung (a fork that inherited a lock held by another
+# thread of this process, see bench/README.md): its workers are killed and it is not timed.
+HANG_LIMIT = 60.0
+HUNG: dict[str, dict[str, int]] = {}
+
+
+def _kill_children(fired: threading.Event) -> None:
+    fired.set()
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+
+
+def time_once(name: str, launch: Callable[[int], None], n: int) -> float | None:
+    """Seconds one launch took, or None if it hung (counted in HUNG)."""
+    fired = threading.Event()
+    watchdog = threading.Timer(HANG_LIMIT, _kill_children, args=(fired,))
+    watchdog.daemon = True
     began = time.perf_counter()
-    launch(n)
-    return time.perf_counter() - began
+    watchdog.start()
+    try:
+        launch(n)
+    except Exception:
+        if not fired.is_set():
+            raise  # a real failure, not the watchdog's doing
+    finally:
+        watchdog.cancel()
+    elapsed = time.perf_counter() - began
+    if fired.is_set():
+        print(f"{name} N={n}: hung, workers killed", file=sys.stderr, flush=True)
+        HUNG.setdefault(name, {}).setdefault(str(n), 0)
+        HUNG[name][str(n)] += 1
+        return None
+    return elapsed
 
 
 def run_in_process(
@@ -123,14 +155,20 @@ def run_in_process(
     samples: dict[str, dict[str, list[float]]] = {name: {} for name in methods}
     for n in SIZES:
         active = {name: spec for name, spec in methods.items() if n in spec[2]}
-        for launch, _, _ in active.values():  # warm-up, discarded
-            time_once(launch, n)
+        for name, (launch, _, _) in active.items():  # warm-up, discarded
+            time_once(name, launch, n)
         rounds = max(repeats for _, repeats, _ in active.values())
         for round_ in range(rounds):
             for name, (launch, repeats, _) in active.items():
                 if round_ < repeats:
-                    samples[name].setdefault(str(n), []).append(time_once(launch, n))
-        medians = {name: statistics.median(samples[name][str(n)]) for name in active}
+                    took = time_once(name, launch, n)
+                    if took is not None:
+                        samples[name].setdefault(str(n), []).append(took)
+        medians = {
+            name: statistics.median(samples[name][str(n)])
+            for name in active
+            if samples[name].get(str(n))
+        }
         done = ", ".join(f"{name} {value:.3f}" for name, value in medians.items())
         print(f"N={n}: {done} (median s)", file=sys.stderr, flush=True)
     return samples
@@ -236,6 +274,13 @@ def markdown(results: dict) -> str:
         f"Repeats per cell: {results['repeats']} (spawn {results['spawn_repeats']}), after one "
         "discarded warm-up launch.",
     ]
+    if results["hung"]:
+        hung = "; ".join(
+            f"{name} N={n}: {count}"
+            for name, per_n in results["hung"].items()
+            for n, count in per_n.items()
+        )
+        lines.append(f"Hung launches (workers killed after {HANG_LIMIT:g} s, not timed): {hung}.")
     return "\n".join(lines) + "\n"
 
 
@@ -267,9 +312,14 @@ def main(argv: list[str] | None = None) -> int:
             tuple(n for n in SIZES if n > 1),
         )
     samples = run_in_process(methods)
+    kernel_error = None
     if args.kernel:
-        samples["nb_dist fork in ipykernel"] = run_in_kernel(args.repeats)
-        print("ipykernel: done", file=sys.stderr, flush=True)
+        try:
+            samples["nb_dist fork in ipykernel"] = run_in_kernel(args.repeats)
+            print("ipykernel: done", file=sys.stderr, flush=True)
+        except (TimeoutError, RuntimeError) as exc:
+            kernel_error = f"{type(exc).__name__}: {exc}"
+            print(f"ipykernel: skipped, {kernel_error}", file=sys.stderr, flush=True)
 
     per_method = {
         name: {n: stats(values) for n, values in per_n.items()} for name, per_n in samples.items()
@@ -309,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
         "methods": per_method,
         "ratios": ratios,
         "samples": samples,
+        "hung": HUNG,
+        "kernel_error": kernel_error,
         "total_seconds": time.perf_counter() - began,
     }
     table = markdown(results)

@@ -8,14 +8,15 @@ for ``--steps`` steps inside a 1-rank and a 2-rank launch, in three variants:
 - ``print``: ``print(f"step {i} loss {loss.item():.4f}")`` every step (the usual alternative:
   every line goes through the rank's pipe, gets labelled and written by the launcher).
 
-Each rank times its own training loop (after a warm-up) and returns seconds per step, wall
-and CPU (its process's CPU time, the reports' flusher thread included: it does not count time
-other programs take on a busy machine). The variants run in interleaved rounds (``--repeats``
-of them, the order rotated each round), so background load hits them all alike; the table
-shows medians over rounds of the mean over ranks, and the overhead of ``report`` and ``print``
-against ``none``: the median over rounds of each round's paired ratio. It also times
-``report()`` itself in a tight loop inside a launch (ns per call: a float, a 0-d tensor, a
-32-element tensor, and ``tensor.item()`` alone for comparison).
+Each launch runs the three variants in alternating chunks (``--chunks`` per variant, the order
+rotated every chunk, ``--steps`` timed steps per variant), so a change of machine load hits them
+all alike; each rank measures seconds per step per variant, wall and CPU (its process's CPU
+time, the reports' flusher thread included: it does not count time other programs take on a
+busy machine). The table shows medians over ``--repeats`` launches of the mean over ranks, and
+the overhead of ``report`` and ``print`` against ``none``: the median of the launches' paired
+ratios. It also times ``report()`` itself inside a launch (ns per call for a float, a 0-d
+tensor and a 32-element tensor, paced like a training loop and back to back; and
+``tensor.item()`` alone for comparison), and estimates the per-step overhead from that cost.
 
 Run: ``python bench/report_overhead.py`` (about a minute on 2 cores; ``--help`` for options).
 Writes ``bench/results/report_overhead.json`` and prints a markdown table. Target: the
@@ -47,39 +48,54 @@ TARGET_PCT = 2.0
 
 
 # --------------------------------------------------------------------------- what every rank runs
-def train(mode: str, steps: int) -> tuple[float, float]:
-    """Train the tiny model for ``steps`` steps; seconds per step, wall and CPU (no warm-up).
+def train(steps: int, chunks: int) -> dict[str, tuple[float, float]]:
+    """Train the tiny model ``steps`` steps per variant; per variant, seconds per step (wall, CPU).
 
-    CPU time is the whole worker process's (the reports' flusher thread included); unlike wall
-    time it does not count time taken by other programs on a busy machine.
+    The variants alternate in ``chunks`` chunks each (none, report, print, none, ...; the order
+    rotated every chunk), so a change of machine load hits them all alike. CPU time is the
+    whole worker process's (the reports' flusher thread included); unlike wall time it does not
+    count time taken by other programs on a busy machine.
     """
     torch.manual_seed(nb_dist.rank())
     model = torch.nn.Linear(32, 32)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     x, y = torch.randn(16, 32), torch.randn(16, 32)
-    started = cpu_started = 0.0
-    for i in range(WARMUP + steps):
-        if i == WARMUP:
-            started, cpu_started = time.perf_counter(), time.process_time()
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        if mode == "report":
-            nb_dist.report("loss", loss)
-        elif mode == "print":
-            print(f"step {i} loss {loss.item():.4f}")
-    wall = (time.perf_counter() - started) / steps
-    return wall, (time.process_time() - cpu_started) / steps
+
+    def run(mode: str, count: int) -> tuple[float, float]:
+        wall, cpu = time.perf_counter(), time.process_time()
+        for i in range(count):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            if mode == "report":
+                nb_dist.report("loss", loss)
+            elif mode == "print":
+                print(f"step {i} loss {loss.item():.4f}")
+        return time.perf_counter() - wall, time.process_time() - cpu
+
+    run("none", WARMUP)
+    totals = {mode: [0.0, 0.0] for mode in MODES}
+    per_chunk = steps // chunks
+    for chunk in range(chunks):
+        for mode in MODES[chunk % 3 :] + MODES[: chunk % 3]:
+            wall, cpu = run(mode, per_chunk)
+            totals[mode][0] += wall
+            totals[mode][1] += cpu
+    return {
+        mode: (w / (per_chunk * chunks), c / (per_chunk * chunks))
+        for mode, (w, c) in totals.items()
+    }
 
 
 def per_call_costs(calls: int) -> dict[str, float]:
     """ns per call of report() with several kinds of value, in a launch (the sink is active).
 
-    ``paced``: bursts of 100 calls with a 2 ms pause between them (the mean over bursts, so the
-    batches the caller pickles and sends itself every 512 entries are included): the cost to a
-    training loop. ``tight loop``: back-to-back calls, which end up waiting for the kernel to
-    take the batches (its unpickling is the limit): the channel's throughput, not a step cost.
+    ``paced``: bursts of 100 calls with a 2 ms pause between them, in process CPU time (the mean
+    over bursts, so the batches the caller pickles and sends itself every 512 entries are
+    included): the cost to a training loop. ``tight loop``: back-to-back calls, which end up
+    waiting for the kernel to take the batches (its unpickling is the limit): the channel's
+    throughput, not a step cost.
     """
     scalar = torch.tensor(0.5)
     vector = torch.randn(32)
@@ -102,10 +118,10 @@ def per_call_costs(calls: int) -> dict[str, float]:
     def paced(body, count: int) -> float:
         total = 0
         for _ in range(count // 100):
-            start = time.perf_counter_ns()
+            start = time.process_time_ns()  # CPU time: robust to other programs' load
             for _ in range(100):
                 body()
-            total += time.perf_counter_ns() - start
+            total += time.process_time_ns() - start
             time.sleep(0.002)
         return total / (count // 100 * 100)
 
@@ -113,24 +129,30 @@ def per_call_costs(calls: int) -> dict[str, float]:
     for name, body in bodies.items():
         count = calls // 20 if "32-element" in name else calls  # ~0.1 ms per call
         empty_paced, empty_tight = paced(lambda: None, count), tight(lambda: None, count)
-        label = name if "alone" in name else f"report({name})"
-        costs[f"{label}, paced"] = round(paced(body, count) - empty_paced, 1)
-        if "alone" not in name:
-            costs[f"{label}, tight loop"] = round(tight(body, count) - empty_tight, 1)
+        if "alone" in name:  # no channel involved: back to back is its cost
+            costs[f"{name}, tight loop"] = round(tight(body, count) - empty_tight, 1)
+            continue
+        costs[f"report({name}), paced"] = round(paced(body, count) - empty_paced, 1)
+        costs[f"report({name}), tight loop"] = round(tight(body, count) - empty_tight, 1)
     return costs
 
 
 # --------------------------------------------------------------------------- the kernel side
-def launch(mode: str, n: int, steps: int) -> tuple[float, float]:
-    """One launch: mean over ranks of (wall, CPU) seconds per step. Output goes to a buffer."""
-    with contextlib.redirect_stdout(io.StringIO()) as out:
-        result = nb_dist.notebook_launcher(train, (mode, steps), num_processes=n)
-    if mode == "print":
-        lines = out.getvalue().count("\n")
-        assert lines >= n * steps, f"expected {n * steps} printed lines, got {lines}"
-    if mode == "report":
-        assert all(len(result.reports["loss"][r]) == WARMUP + steps for r in range(n))
-    return statistics.fmean(w for w, _ in result), statistics.fmean(c for _, c in result)
+def launch(n: int, steps: int, chunks: int) -> dict[str, tuple[float, float]]:
+    """One launch; per variant, the mean over ranks of (wall, CPU) seconds per step."""
+    with contextlib.redirect_stdout(io.StringIO()) as out:  # the printed steps go here
+        result = nb_dist.notebook_launcher(train, (steps, chunks), num_processes=n)
+    timed = steps // chunks * chunks
+    lines = out.getvalue().count("\n")
+    assert lines >= n * timed, f"expected {n * timed} printed lines, got {lines}"
+    assert all(len(result.reports["loss"][r]) == timed for r in range(n))
+    return {
+        mode: (
+            statistics.fmean(rank[mode][0] for rank in result),
+            statistics.fmean(rank[mode][1] for rank in result),
+        )
+        for mode in MODES
+    }
 
 
 def markdown(results: dict) -> str:
@@ -162,9 +184,10 @@ def markdown(results: dict) -> str:
     m = results["machine"]
     rows += [
         "",
-        f"{results['steps']} timed steps per launch after {WARMUP} warm-up steps; µs/step are "
-        f"medians of {results['repeats']} interleaved rounds, overheads medians of the rounds' "
-        "paired ratios (CPU: the worker process's CPU time, flusher thread included). "
+        f"{results['steps']} timed steps per variant and launch ({results['chunks']} alternating "
+        f"chunks each) after {WARMUP} warm-up steps; µs/step are medians over "
+        f"{results['repeats']} launches, overheads medians of the launches' paired ratios (CPU: "
+        "the worker process's CPU time, flusher thread included). "
         f"Machine: {m['cpu_count']} CPUs, Python {m['python']}, torch {m['torch']}, load "
         f"average {m['loadavg_before']} / {m['loadavg_after']}.",
     ]
@@ -185,8 +208,9 @@ def summarize(samples: list[tuple[float, float]], baseline: list[tuple[float, fl
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=3000, help="timed training steps per launch")
-    parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds")
+    parser.add_argument("--steps", type=int, default=3000, help="timed steps per variant, launch")
+    parser.add_argument("--chunks", type=int, default=6, help="interleaved chunks per variant")
+    parser.add_argument("--repeats", type=int, default=5, help="launches per number of ranks")
     parser.add_argument("--calls", type=int, default=20_000, help="report() calls per loop")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results folder")
     args = parser.parse_args(argv)
@@ -194,16 +218,14 @@ def main(argv: list[str] | None = None) -> int:
     loadavg_before = os.getloadavg()
     began = time.monotonic()
 
-    for n in SIZES:  # warm-up launch per size (imports, page cache), discarded
-        launch("none", n, 200)
+    launch(1, 300, 3)  # warm-up launch (imports, page cache), discarded
     samples: dict[int, dict[str, list[tuple[float, float]]]] = {
         n: {mode: [] for mode in MODES} for n in SIZES
     }
     for round_index in range(args.repeats):
-        order = MODES[round_index % 3 :] + MODES[: round_index % 3]
         for n in SIZES:
-            for mode in order:
-                samples[n][mode].append(launch(mode, n, args.steps))
+            for mode, sample in launch(n, args.steps, args.chunks).items():
+                samples[n][mode].append(sample)
         print(f"round {round_index + 1}/{args.repeats} done", file=sys.stderr)
     per_call = nb_dist.notebook_launcher(per_call_costs, (args.calls,), num_processes=1)[0]
 
@@ -228,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {
         "benchmark": "report_overhead",
         "steps": args.steps,
+        "chunks": args.chunks,
         "warmup_steps": WARMUP,
         "repeats": args.repeats,
         "model": "Linear(32, 32) + SGD, batch 16, MSE loss",
