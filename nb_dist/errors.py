@@ -40,6 +40,8 @@ class RankOutcome:
     failed_at: float | None = None
     duration: float | None = None
     stack: str | None = field(default=None, repr=False)
+    #: When the function returned (``time.monotonic()``), before the worker's teardown.
+    returned_at: float | None = field(default=None, repr=False)
 
     def describe(self) -> str:
         """One human sentence about this rank's outcome."""

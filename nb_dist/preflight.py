@@ -138,7 +138,8 @@ def check_accelerate_state() -> None:
     if not found:
         return
     raise UnsafeLaunchError(
-        f"An Accelerate {' and '.join(found)} already exists in this kernel (an Accelerator() "
+        f"An Accelerate {' and '.join(found)} already {'exists' if len(found) == 1 else 'exist'} "
+        "in this kernel (an Accelerator() "
         "or PartialState() was created in a cell). Forked workers would inherit that "
         "single-process state instead of building their own for their rank. Create the "
         "Accelerator inside the launched function. To continue without restarting the kernel, "

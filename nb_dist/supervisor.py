@@ -302,6 +302,8 @@ class Supervisor:
             worker.outcome.status = "running"
             if self.observer is not None:
                 self.observer.started(worker.local_rank)
+        elif tag == "returned":
+            worker.outcome.returned_at = message[1]
         elif tag == "error":
             worker.error = message[1]
         elif tag == "result":
@@ -408,6 +410,14 @@ class Supervisor:
         for worker in self.workers:
             if worker.alive and worker.local_rank not in self._hang_noticed:
                 self._hang_noticed.add(worker.local_rank)
+                returned = worker.outcome.returned_at
+                if returned is not None:
+                    self.router.notice(
+                        _TEARDOWN_HANG.format(
+                            rank=worker.outcome.rank, ago=time.monotonic() - returned
+                        )
+                    )
+                    continue
                 frames = self._stacks([worker]).get(worker.local_rank, [])
                 where = innermost_user_frame(frames) or "an unknown place"
                 self.router.notice(
@@ -545,9 +555,16 @@ class Supervisor:
             f"The launch did not finish within timeout={timeout:g} s, so all ranks were stopped."
         ]
         stacks: dict[int, str] = {}
+        teardown = False
         for worker in self.workers:
             rank = worker.outcome.rank
-            if worker.local_rank in frames:
+            if worker.outcome.returned_at is not None and worker in live:
+                lines.append(
+                    f"rank {rank} had returned from the function and was stuck in the native "
+                    "teardown after it (see the note below)"
+                )
+                teardown = True
+            elif worker.local_rank in frames:
                 where = innermost_user_frame(frames[worker.local_rank]) or "an unknown place"
                 lines.append(f"rank {rank} was blocked at {where}")
                 stacks[rank] = format_frames(frames[worker.local_rank])
@@ -562,11 +579,25 @@ class Supervisor:
             "or already left is a deadlock: make every rank call the same collectives in the same "
             "order. If the work is only slow, pass a larger timeout."
         )
+        if teardown:
+            lines.append(_TEARDOWN_NOTE)
         logs = [self.router.log_text(w.local_rank) for w in self.workers]
         outcomes = [w.outcome for w in self.workers]
         error = LaunchTimeoutError("\n".join(lines), timeout, stacks, outcomes, logs)
         error.reports = self.reports
         return error
+
+
+_TEARDOWN_NOTE = (
+    "A rank that returned from the function but does not exit is stuck in native teardown: "
+    "destroying the process group or freeing C++ resources (a DistributedDataParallel model "
+    "still alive while its group is destroyed can hang there). Delete DDP models "
+    "(del model) before returning, and pass timeout=... to the launcher to bound the wait."
+)
+_TEARDOWN_HANG = (
+    "rank {rank} returned from the function {ago:.0f} s ago but its process has not exited. "
+    + _TEARDOWN_NOTE
+)
 
 
 # --------------------------------------------------------------------- helpers
@@ -729,12 +760,14 @@ def _failure_message(root: RankOutcome, outcomes: list[RankOutcome], root_log: s
     elif root_log.strip():
         tail = _last_output(root_log)
         parts.append(f"\nLast output of rank {root.rank}:\n" + "\n".join(tail))
-    finished = [o.rank for o in outcomes if o.status == "ok"]
+    # "returned" counts ranks whose value had not arrived yet: they were tearing down.
+    finished = [o.rank for o in outcomes if o is not root and (o.status == "ok" or o.returned_at)]
     if _looks_collateral(root) and finished:
+        who = f"rank {finished[0]} had" if len(finished) == 1 else f"ranks {finished} had"
         parts.append(
-            f"\nRank {root.rank} lost its connection while ranks {finished} had already "
-            "finished: this is how a collective that some ranks skip (or call fewer times) "
-            "ends. Make every rank call the same collectives, the same number of times."
+            f"\nRank {root.rank} lost its connection while {who} already returned from "
+            "the function: this is how a collective that some ranks skip (or call fewer "
+            "times) ends. Make every rank call the same collectives, the same number of times."
         )
     others = [o for o in outcomes if o is not root]
     if others:

@@ -116,6 +116,11 @@ def _run(spec: WorkerSpec, channels: WorkerChannels, forked: bool) -> int:
             if exc.code not in (None, 0):
                 raise
             value = None  # sys.exit(0) in a worker is a normal end, as under torchrun
+        # Tell the kernel before tearing down: destroying the group closes this rank's
+        # connections, which can make a peer still waiting in a collective fail at once, and
+        # that failure is explained by "rank K had already returned" (a skipped collective).
+        # It also tells a teardown that hangs apart from a function that never returns.
+        sink.send(("returned", time.monotonic()))
         _destroy_process_group()
     except BaseException as exc:
         sink.close()  # reports made before the failure still reach the kernel, first

@@ -96,6 +96,25 @@ def _skip_all_reduce(tmp):
     return rank
 
 
+def _rank1_returns_without_all_reduce(tmp):
+    rank = _start(tmp)
+    dist.init_process_group("gloo")
+    if rank == 0:
+        time.sleep(0.3)  # rank 1 has returned and torn its group down by now
+        dist.all_reduce(torch.ones(1))  # the collective rank 1 skipped
+    return rank
+
+
+def _rank1_hangs_in_teardown(tmp):
+    rank = _start(tmp)
+    dist.init_process_group("gloo")
+    if rank == 1:
+        # Stands in for a native hang in destroy_process_group (a DDP model still alive):
+        # the launcher destroys the group after the function returned, and it never ends.
+        dist.destroy_process_group = lambda *args, **kwargs: time.sleep(60)
+    return rank
+
+
 def _sleep_long(tmp):
     rank = _start(tmp)
     if rank == 0:
@@ -305,6 +324,44 @@ def test_timeout_stack_shows_the_sleep_line(tmp_path):
     assert "time.sleep(60)" in err.stacks[0]
     assert 1 not in err.stacks  # rank 1 had finished
     assert "rank 1: finished" in str(err)
+    assert_all_gone(_pids(tmp_path), within=0.2)
+
+
+@pytest.mark.timeout(60)
+def test_skipped_collective_names_the_rank_that_returned(tmp_path):
+    """A rank that returned without a collective breaks its peer's: the message says so."""
+    with pytest.raises(WorkerFailedError) as info:
+        notebook_launcher(_rank1_returns_without_all_reduce, args=(str(tmp_path),), num_processes=2)
+    message = str(info.value)
+    assert message.startswith("rank 0 failed first"), message
+    assert "while rank 1 had already returned from the function" in message, message
+    assert "Make every rank call the same collectives" in message
+    assert info.value.outcomes[1].returned_at is not None
+    assert info.value.outcomes[0].returned_at is None
+    assert_all_gone(_pids(tmp_path), within=0.2)
+
+
+@pytest.mark.timeout(60)
+def test_teardown_hang_is_told_apart_from_a_hang_in_the_function(tmp_path, capsys):
+    """A rank stuck after returning gets a teardown notice and timeout text, not a stack."""
+    with pytest.raises(LaunchTimeoutError) as info:
+        notebook_launcher(
+            _rank1_hangs_in_teardown,
+            args=(str(tmp_path),),
+            num_processes=2,
+            hang_notice_after=0.5,
+            timeout=4,
+        )
+    err = capsys.readouterr().err
+    assert "[nb_dist] rank 1 returned from the function" in err, err
+    assert "but its process has not exited" in err
+    assert "stuck in native teardown" in err and "del model" in err
+    message = str(info.value)
+    assert "rank 1 had returned from the function and was stuck in the native teardown" in (
+        message
+    ), message
+    assert "rank 0: finished" in message
+    assert 1 not in info.value.stacks
     assert_all_gone(_pids(tmp_path), within=0.2)
 
 

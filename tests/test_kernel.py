@@ -435,7 +435,7 @@ def test_accelerator_in_the_kernel_is_refused_until_reset(kernel, tmp_path):
     assert refused.error is not None, refused.stdout()
     assert refused.error["ename"] == "UnsafeLaunchError"
     evalue = refused.error["evalue"]
-    assert "An Accelerate AcceleratorState and PartialState already exists" in evalue, evalue
+    assert "An Accelerate AcceleratorState and PartialState already exist in" in evalue, evalue
     assert "Create the Accelerator inside the launched function" in evalue
     recipe = "from accelerate.state import AcceleratorState; "
     recipe += "AcceleratorState._reset_state(reset_partial_state=True)"

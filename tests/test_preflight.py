@@ -330,14 +330,14 @@ def test_accelerate_state_is_refused(tmp_path, kind):
     try:
         if kind == "PartialState":
             accelerate.PartialState(cpu=True)
-            names = "PartialState"
+            names = "PartialState already exists"
         else:
             accelerate.Accelerator(cpu=True)
-            names = "AcceleratorState and PartialState"
+            names = "AcceleratorState and PartialState already exist in"
         message = _refused(tmp_path, UnsafeLaunchError)
         _assert_mentions(
             message,
-            f"An Accelerate {names} already exists",
+            f"An Accelerate {names}",
             "Create the Accelerator inside the launched function",
             "from accelerate.state import AcceleratorState",
             "AcceleratorState._reset_state(reset_partial_state=True)",

@@ -377,6 +377,14 @@ def test_precision_65000_times_2_overflows_fp16_not_bf16():
     assert "float16   inf     inf      inf       overflow -> inf" in text
 
 
+def test_precision_nan_product_is_flagged():
+    """1e6 is inf in fp16, and inf * 0 is NaN there: flagged "nan", not "ok"; fp32 gives 0."""
+    products = PrecisionExplorer(value=1e6, factor=0.0).products()
+    assert math.isnan(products["float16"].stored) and products["float16"].flag == "nan"
+    assert products["float32"].stored == 0.0 and products["float32"].flag == "ok"
+    assert represent(float("nan"), "bfloat16").flag == "nan"
+
+
 def test_precision_underflow_and_subnormals():
     """1e-8 underflows to 0 in fp16 but not in bf16/fp32; 1e-7 survives as an fp16 subnormal."""
     tiny = represent(1e-8, "float16")

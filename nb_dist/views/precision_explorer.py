@@ -105,7 +105,13 @@ class Representation:
 
     @property
     def flag(self) -> str:
-        """``"overflow -> inf"``, ``"underflow -> 0"``, ``"subnormal"``, or ``"ok"``."""
+        """``"nan"``, ``"overflow -> inf"``, ``"underflow -> 0"``, ``"subnormal"``, or ``"ok"``.
+
+        ``"nan"`` comes first: a NaN (``inf * 0``, ``inf - inf``) poisons every later step, and
+        it is what a GradScaler looks for to skip a step.
+        """
+        if math.isnan(self.stored):
+            return "nan"
         if self.overflow:
             return "overflow -> inf"
         if self.underflow:
