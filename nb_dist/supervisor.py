@@ -308,7 +308,14 @@ class Supervisor:
             worker.error = message[1]
         elif tag == "result":
             worker.duration = message[1]
-            data = conn.recv_bytes()
+            try:
+                data = _read_exactly(conn, message[2])
+            except (EOFError, OSError):
+                # The worker died while sending its value (e.g. the OOM killer): its exit
+                # status tells the user what happened, not a bare EOFError from this loop.
+                self._unregister(conn)
+                worker.control_closed_at = time.monotonic()
+                return
             try:
                 worker.value = pickle.loads(data)
                 worker.has_value = True
@@ -626,6 +633,23 @@ def _fork(spec: WorkerSpec, channels: WorkerChannels) -> int:
             os._exit(1)
     signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
     return pid
+
+
+def _read_exactly(conn: Connection, size: int) -> bytearray:
+    """Read ``size`` raw bytes from ``conn``'s pipe into one preallocated buffer.
+
+    ``Connection.recv_bytes`` reads a large message in pipe-sized chunks, each allocated for
+    the whole remaining size and copied into a growing buffer; this reads straight into place.
+    """
+    buffer = bytearray(size)
+    with memoryview(buffer) as view:
+        got = 0
+        while got < size:
+            count = os.readv(conn.fileno(), [view[got:]])
+            if count == 0:
+                raise EOFError(f"the pipe closed after {got} of {size} bytes")
+            got += count
+    return buffer
 
 
 def _poll_exit(worker: _Worker) -> int | None:

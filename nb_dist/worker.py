@@ -142,8 +142,10 @@ def _run(spec: WorkerSpec, channels: WorkerChannels, forked: bool) -> int:
             ("error", _error_record("UnpicklableResultError", message, "", time.monotonic())),
         )
         return 1
-    reporting.send_message(control, ("result", time.monotonic() - started))
-    control.send_bytes(data)
+    # The size, then the raw bytes: the kernel reads them straight into one buffer, about
+    # twice as fast for a large state_dict as Connection.recv_bytes' chunked reads.
+    reporting.send_message(control, ("result", time.monotonic() - started, len(data)))
+    _write_all(control, data)
     return 0
 
 
@@ -375,6 +377,13 @@ def _dumps_result(value: Any) -> bytes:
     buffer = io.BytesIO()
     _CPUPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
     return buffer.getvalue()
+
+
+def _write_all(conn: Connection, data: bytes) -> None:
+    """Write ``data`` raw (no framing) to ``conn``'s pipe; the size was sent before it."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(conn.fileno(), view) :]
 
 
 def _flush_all() -> None:
