@@ -72,7 +72,11 @@ class LaunchMonitor:
             row.add_class(f"nb-dist-monitor-rank-{rank}")
             self._rows.append((row, state, bar, tail))
             self._set_state_class(local)
-        self._plot = widgets.Image(format="png", layout=widgets.Layout(display="none"))
+        # flex-start: at its own size; a VBox stretches children to its width (blurry plot).
+        self._plot = widgets.Image(
+            format="png",
+            layout=widgets.Layout(display="none", align_self="flex-start", max_width="100%"),
+        )
         self._plot.add_class("nb-dist-monitor-plot")
         self._title = widgets.HTML(f"<b>nb_dist launch</b>: {len(ranks)} ranks")
         self.widget = widgets.VBox([self._title, *(r[0] for r in self._rows), self._plot])

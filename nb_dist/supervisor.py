@@ -27,7 +27,7 @@ from typing import Any
 from .errors import LaunchTimeoutError, RankOutcome, WorkerFailedError
 from .output import LineSplitter, OutputRouter
 from .reporting import Reports
-from .tracebacks import format_frames, innermost_user_frame, parse_fault_dump, relabel_cells
+from .tracebacks import blocked_place, format_frames, parse_fault_dump, relabel_cells
 from .worker import WorkerChannels, WorkerSpec, forkserver_main, run_worker
 
 # How long a stopped worker gets between SIGTERM and SIGKILL; keeps "stopped within 1 s".
@@ -426,7 +426,7 @@ class Supervisor:
                     )
                     continue
                 frames = self._stacks([worker]).get(worker.local_rank, [])
-                where = innermost_user_frame(frames) or "an unknown place"
+                where = blocked_place(frames)
                 self.router.notice(
                     f"rank {worker.outcome.rank} is still running {waited:.0f} s after rank(s) "
                     f"{', '.join(map(str, finished))} finished. It is at {where}:\n"
@@ -572,7 +572,7 @@ class Supervisor:
                 )
                 teardown = True
             elif worker.local_rank in frames:
-                where = innermost_user_frame(frames[worker.local_rank]) or "an unknown place"
+                where = blocked_place(frames[worker.local_rank])
                 lines.append(f"rank {rank} was blocked at {where}")
                 stacks[rank] = format_frames(frames[worker.local_rank])
             elif worker in live:

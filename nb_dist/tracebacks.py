@@ -115,3 +115,24 @@ def innermost_user_frame(frames: list[tuple[str, int, str]]) -> str | None:
         code = f"`{source}` at " if source else ""
         return f"{code}{where}, line {lineno}, in {name}"
     return None
+
+
+def blocked_place(frames: list[tuple[str, int, str]]) -> str:
+    """Where a blocked worker is, for a learner: their own line, or what the native code is.
+
+    With no frame of the user's code, a stack whose innermost frame is the worker's own call
+    of the function means the function has returned and native code is freeing its local
+    variables (a DDP model whose process group was destroyed first can hang there).
+    """
+    user = innermost_user_frame(frames)
+    if user:
+        return user
+    worker_file = os.path.join(_PACKAGE_DIR, "worker.py")
+    if frames and os.path.abspath(frames[-1][0]) == worker_file and frames[-1][2] == "_run":
+        return (
+            "the return from the function, in native code freeing its local variables (a "
+            "DistributedDataParallel model whose process group was already destroyed can hang "
+            "there: del the model before destroy_process_group(), or leave the destroy to the "
+            "launcher)"
+        )
+    return "an unknown place (native code, no Python frame of yours)"

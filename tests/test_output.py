@@ -15,9 +15,15 @@ import threading
 
 import pytest
 
+import nb_dist
 from nb_dist import notebook_launcher
 from nb_dist.output import LineSplitter
-from nb_dist.tracebacks import format_frames, innermost_user_frame, parse_fault_dump
+from nb_dist.tracebacks import (
+    blocked_place,
+    format_frames,
+    innermost_user_frame,
+    parse_fault_dump,
+)
 
 THIS_FILE = os.path.basename(__file__)
 N_LINES = 2000
@@ -339,3 +345,20 @@ def test_innermost_user_frame_skips_library_and_launcher_frames():
     assert innermost_user_frame(only_library) is None
     # A user file whose source is not available still gives the place, without code.
     assert innermost_user_frame([("/home/me/gone.py", 7, "train")]) == "gone.py, line 7, in train"
+
+
+def test_blocked_place_names_a_hang_at_the_return_of_the_function():
+    """A stack that ends at the worker's call of the function (no user frame) is a native hang
+    while the function's locals are freed; other stacks without user code say so."""
+    worker_file = os.path.join(os.path.dirname(os.path.abspath(nb_dist.__file__)), "worker.py")
+    inherited = [("/usr/lib/python3.11/runpy.py", 88, "_run_code")]
+    at_return = [*inherited, (worker_file, 90, "run_worker"), (worker_file, 117, "_run")]
+    place = blocked_place(at_return)
+    assert place.startswith("the return from the function, in native code"), place
+    assert "del the model before destroy_process_group()" in place
+    lib = "/opt/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
+    in_torch = [*at_return, (lib, 2100, "destroy_process_group")]
+    assert blocked_place(in_torch) == "an unknown place (native code, no Python frame of yours)"
+    assert blocked_place([]) == "an unknown place (native code, no Python frame of yours)"
+    user = [*at_return, ("/home/me/train.py", 7, "train")]
+    assert blocked_place(user) == "train.py, line 7, in train"

@@ -528,7 +528,9 @@ class AllReduceStepper(_WidgetView):
         reset.on_click(lambda _b: self.reset())
         self._html = w.HTML(value=self._html_view())
         self._html.add_class(f"{self._css_class}-output")
-        self._image = w.Image(format="png", layout=w.Layout(display="none"))
+        self._image = w.Image(  # at its own size, not stretched to the VBox's width
+            format="png", layout=w.Layout(display="none", align_self="flex-start", max_width="100%")
+        )
         self._image.add_class(f"{self._css_class}-figure")
         return w.VBox(
             [w.HBox([play, slider, nxt, reset]), w.HBox([op, ring]), self._html, self._image]
@@ -545,6 +547,10 @@ class AllReduceStepper(_WidgetView):
         try:
             for name in ("play", "step"):
                 self._controls[name].max = self.num_steps
+            # The slider first: in the browser jslink then moves Play to the same value and
+            # nothing comes back. Play first made jslink push each value into the slider and
+            # send it back here, so go_to(3); go_to(6) in one cell ended at step 3.
+            for name in ("step", "play"):
                 self._controls[name].value = self.step
             self._controls["op"].value = self.op
         finally:

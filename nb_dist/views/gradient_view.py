@@ -193,7 +193,12 @@ class GradientView(_WidgetView):
                 description="step",
             ),
         )
-        image = widgets.Image(format="png", value=figure_png(self.figure()))
+        image = widgets.Image(
+            format="png",
+            value=figure_png(self.figure()),
+            # at its own size: a VBox stretches children to its width (a blurry plot)
+            layout=widgets.Layout(align_self="flex-start", max_width="100%"),
+        )
         image.add_class(f"{self._css_class}-output")
         text = widgets.HTML()
 
