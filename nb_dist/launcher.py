@@ -248,7 +248,11 @@ def notebook_launcher(
         except KeyboardInterrupt:
             if live_view is not None:
                 live_view.close(interrupted=True)
-            raise
+            # A fresh exception without the context: the cell shows the user's call and this
+            # line, not the supervisor's select loop the interrupt happened to land in.
+            raise KeyboardInterrupt(
+                f"the launch was interrupted; all {nprocs} ranks were stopped"
+            ) from None
         except (WorkerFailedError, LaunchTimeoutError) as failure:
             if live_view is not None:
                 live_view.close(failure.outcomes)

@@ -257,6 +257,9 @@ def test_interrupt_stops_workers_and_leaves_the_kernel_clean(kernel, tmp_path):
     collect(kc, run, timeout=10, late_window=1.0)
     assert run.error is not None, run.stdout()
     assert run.error["ename"] == "KeyboardInterrupt", run.error_text()
+    assert run.error["evalue"] == "the launch was interrupted; all 2 ranks were stopped"
+    # The traceback ends at the launcher's call, not inside its select loop.
+    assert "supervisor.py" not in run.error_text() and "selectors" not in run.error_text()
     error_msg = next(m for m in run.mine if m.msg_type == "error")
     ended_after = error_msg.sent_date - interrupted_wall
     assert ended_after < 3.0, f"the cell ended {ended_after:.2f} s after the interrupt"
