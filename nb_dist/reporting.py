@@ -62,11 +62,22 @@ class ReportEntry(tuple):  # type: ignore[type-arg]
 
 
 class Reports(dict):  # type: ignore[type-arg]
-    """Everything reported in a launch: ``reports[name][rank]`` → list of ``(step, value)``."""
+    """Everything reported in a launch: ``reports[name][rank]`` → list of ``(step, value)``.
+
+    Ranks are kept in rank order whichever reported first, so printing ``reports[name]`` gives
+    the same text on every run.
+    """
 
     def add(self, rank: int, name: str, step: int, when: float, value: Any) -> ReportEntry:
         entry = ReportEntry(step, value, when)
-        self.setdefault(name, {}).setdefault(rank, []).append(entry)
+        by_rank = self.setdefault(name, {})
+        entries = by_rank.get(rank)
+        if entries is None:
+            entries = by_rank[rank] = []
+            ordered = sorted(by_rank.items())
+            by_rank.clear()
+            by_rank.update(ordered)
+        entries.append(entry)
         return entry
 
     def last(self, name: str) -> dict[int, Any]:

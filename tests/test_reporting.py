@@ -476,3 +476,13 @@ def test_allreduce_stepper_matches_real_all_reduce_on_4_ranks():
                 assert math.isclose(sim, got, rel_tol=0, abs_tol=1e-6), (r, summed[r], real)
                 assert math.isclose(sim_avg, got / 4, rel_tol=0, abs_tol=1e-6)
                 assert math.isclose(stepped, got / 4, rel_tol=0, abs_tol=1e-6)
+
+
+def test_reports_keep_ranks_in_rank_order_whoever_reports_first():
+    """reports[name] lists ranks 0, 1, 2 even when rank 2 reported first (stable printouts)."""
+    reports = reporting_module.Reports()
+    for rank in (2, 0, 1, 0):
+        reports.add(rank, "loss", step=rank, when=0.0, value=float(rank))
+    assert list(reports["loss"]) == [0, 1, 2]
+    assert [len(v) for v in reports["loss"].values()] == [2, 1, 1]
+    assert reports.last("loss") == {0: 0.0, 1: 1.0, 2: 2.0}
