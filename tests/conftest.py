@@ -29,7 +29,10 @@ def _descendants() -> dict[int, str]:
 
 def _is_helper(cmdline: str) -> bool:
     # multiprocessing's long-lived helpers (forkserver, resource tracker) are not workers.
-    return "forkserver" in cmdline or "resource_tracker" in cmdline
+    # Chromium (tests/browser) starts utility services lazily, whenever it likes; they belong
+    # to the browser, whose module-scoped fixture closes it and checks that nothing is left.
+    chromium_service = "chrom" in cmdline and "--type=utility" in cmdline
+    return "forkserver" in cmdline or "resource_tracker" in cmdline or chromium_service
 
 
 @pytest.fixture(autouse=True)

@@ -1,6 +1,6 @@
 """Browser tests: the notebooks, the widgets and the live monitor in a real JupyterLab.
 
-How it works. A session fixture starts ``python -m jupyterlab`` (this interpreter) on
+How it works. A module-scoped fixture starts ``python -m jupyterlab`` (this interpreter) on
 127.0.0.1, on a free port fixed up front (``--port-retries=0``), token and password off, no
 browser opened, from a temporary copy of ``notebooks/`` whose stored outputs are stripped (so
 only what this run rendered can satisfy a test), with temporary workspaces, user settings,
@@ -8,7 +8,7 @@ config, data and runtime folders and ``OMP_NUM_THREADS=1``; it polls ``/api/stat
 the server answers (see ``lab_helpers.start_lab``). Kernels run this interpreter through a
 ``python3`` kernelspec placed first on ``JUPYTER_PATH``.
 
-A second session fixture drives the system Chromium (``/usr/bin/chromium``, or the path in
+A second module-scoped fixture drives the system Chromium (``/usr/bin/chromium``, or the path in
 ``NB_DIST_CHROMIUM``) with Playwright for Python, headless, with
 ``--no-sandbox --disable-gpu --disable-quic --disable-background-networking
 --disable-component-update --disable-sync --no-first-run``. It uses ``browser.launch()``, which
@@ -23,7 +23,7 @@ every kernel is shut down through the server's REST API (``DELETE /api/sessions/
 ``DELETE /api/kernels/<id>``), so the autouse ``no_leftover_processes`` fixture of
 ``tests/conftest.py`` still holds: the server and the browser (warmed up on the lab page, so
 that its GPU, network and storage helper processes exist) are started before its per-test
-snapshot, kernels and renderers are not. At the end of the session the browser is closed and
+snapshot, kernels and renderers are not. After the last browser test the browser is closed and
 the server is stopped (kernels deleted, SIGTERM), and any process left in its tree is killed.
 
 Needs ``jupyterlab`` and ``playwright`` (Python packages) and a Chromium binary.
@@ -87,9 +87,12 @@ def screenshots_dir() -> Path:
     return folder
 
 
-@pytest.fixture(scope="session")
+# Module scope, not session: the server, Playwright's driver and Chromium's helper processes
+# must be gone before the rest of the suite runs, whose tests each check that no process they
+# did not inherit is left behind (Chromium starts helper services lazily, at any time).
+@pytest.fixture(scope="module")
 def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LabServer]:
-    """A JupyterLab server for the whole session (see ``lab_helpers.start_lab``)."""
+    """A JupyterLab server for the browser tests (see ``lab_helpers.start_lab``)."""
     server = start_lab(tmp_path_factory.mktemp("jupyterlab"))
     try:
         yield server
@@ -111,7 +114,7 @@ def chromium_executable() -> str:
     return path
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser(chromium_executable: str, lab: LabServer) -> Iterator[Browser]:
     """Headless system Chromium with a fresh temporary profile, warmed up on the lab page.
 
@@ -147,6 +150,11 @@ def browser(chromium_executable: str, lab: LabServer) -> Iterator[Browser]:
         with contextlib.suppress(Error):
             browser.close()
         playwright.stop()
+        # Nothing of Chromium may outlive the module (the per-test check in tests/conftest.py
+        # tolerates the utility services Chromium starts lazily while the browser is open).
+        wait_for_exit(chromium_processes(), within=20)
+        left = chromium_processes()
+        assert not left, f"Chromium processes left after the browser closed: {sorted(left)}"
 
 
 @pytest.fixture(autouse=True)
