@@ -14,6 +14,7 @@ one after another and build one report:
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import math
@@ -118,12 +119,13 @@ def read_result(name: str, out: Path = RESULTS) -> dict[str, Any] | None:
     return json.loads(path.read_text())
 
 
-def run_in_kernel(code: str, timeout: float = 300.0) -> Any:
+def run_in_kernel(code: str, timeout: float = 300.0, *, stamped: bool = False) -> Any:
     """Run ``code`` as one cell of a fresh ipykernel and return the JSON it prints.
 
-    The cell must print one line ``JSON_MARK + json.dumps(...)``; that value is returned.
-    The kernel starts in the project root (so ``nb_dist`` imports as in a notebook) and is shut
-    down afterwards, whatever happens.
+    The cell must print one line ``JSON_MARK + json.dumps(...)``; that value is returned, or
+    with ``stamped=True`` ``(value, [(time.monotonic() at receipt, text), ...])`` of every
+    stdout stream message (for latency measurements). The kernel starts in the project root
+    (so ``nb_dist`` imports as in a notebook) and is shut down afterwards, whatever happens.
     """
     from jupyter_client.manager import KernelManager
 
@@ -135,31 +137,46 @@ def run_in_kernel(code: str, timeout: float = 300.0) -> Any:
         client.wait_for_ready(timeout=60)
         msg_id = client.execute(f"JSON_MARK = {JSON_MARK!r}\n" + code)
         deadline = time.monotonic() + timeout
-        text: list[str] = []
+        received: list[tuple[float, str]] = []
         error = None
         while True:
             try:
                 msg = client.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
             except queue.Empty:
                 raise TimeoutError(f"the kernel cell did not finish within {timeout:g} s") from None
+            now = time.monotonic()
             if msg["parent_header"].get("msg_id") != msg_id:
                 continue
             kind, content = msg["msg_type"], msg["content"]
             if kind == "stream" and content.get("name") == "stdout":
-                text.append(content["text"])
+                received.append((now, content["text"]))
             elif kind == "error":
                 error = "\n".join(content["traceback"])
             elif kind == "status" and content["execution_state"] == "idle":
                 break
         if error:
             raise RuntimeError(f"the kernel cell failed:\n{error}")
-        for line in "".join(text).splitlines():
+        text = "".join(t for _, t in received)
+        for line in text.splitlines():
             if line.startswith(JSON_MARK):
-                return json.loads(line[len(JSON_MARK) :])
-        raise RuntimeError(f"no JSON line in the kernel's output:\n{''.join(text)[-2000:]}")
+                value = json.loads(line[len(JSON_MARK) :])
+                return (value, received) if stamped else value
+        raise RuntimeError(f"no JSON line in the kernel's output:\n{text[-2000:]}")
     finally:
         client.stop_channels()
         km.shutdown_kernel(now=True)
+
+
+def leftover_children() -> list[int]:
+    """Pids of this process's live descendants (a benchmark must leave none behind)."""
+    import psutil
+
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if child.status() != psutil.STATUS_ZOMBIE:
+                found.append(child.pid)
+    return found
 
 
 def python() -> str:

@@ -42,14 +42,13 @@ import contextlib
 import itertools
 import json
 import os
-import queue
 import re
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from _common import BENCH, JSON_MARK, RESULTS, ROOT, stats, write_result
+from _common import BENCH, RESULTS, leftover_children, run_in_kernel, stats, write_result
 
 NAME = "output_path"
 TAG = "NBOP"
@@ -232,48 +231,10 @@ print(JSON_MARK + json.dumps(_out))
 
 
 def run_kernel_recording(code: str, timeout: float = 240.0) -> tuple[Any, list[tuple[float, str]]]:
-    """Run ``code`` as one cell of a fresh ipykernel; stamp every stdout message on arrival.
-
-    Like ``_common.run_in_kernel`` (whose loop does not keep arrival times), but returns the
-    cell's JSON value and ``[(time.monotonic() at receipt, text), ...]`` of its stdout stream.
-    """
-    from jupyter_client.manager import KernelManager
-
-    km = KernelManager(kernel_name="python3")
-    km.start_kernel(cwd=str(ROOT), env={**os.environ, "OMP_NUM_THREADS": "1"})
-    client = km.client()
-    try:
-        client.start_channels()
-        client.wait_for_ready(timeout=60)
-        msg_id = client.execute(f"JSON_MARK = {JSON_MARK!r}\n" + code)
-        deadline = time.monotonic() + timeout
-        received: list[tuple[float, str]] = []
-        error = None
-        while True:
-            try:
-                msg = client.get_iopub_msg(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                raise TimeoutError(f"the kernel cell did not finish within {timeout:g} s") from None
-            now = time.monotonic()
-            if msg["parent_header"].get("msg_id") != msg_id:
-                continue
-            kind, content = msg["msg_type"], msg["content"]
-            if kind == "stream" and content.get("name") == "stdout":
-                received.append((now, content["text"]))
-            elif kind == "error":
-                error = "\n".join(content["traceback"])
-            elif kind == "status" and content["execution_state"] == "idle":
-                break
-        if error:
-            raise RuntimeError(f"the kernel cell failed:\n{error}")
-        lines = _split_messages(received)
-        for _, line in lines:
-            if line.startswith(JSON_MARK):
-                return json.loads(line[len(JSON_MARK) :]), lines
-        raise RuntimeError("no JSON line in the kernel's output")
-    finally:
-        client.stop_channels()
-        km.shutdown_kernel(now=True)
+    """Run ``code`` in a fresh ipykernel; its JSON value and its stdout lines, each stamped
+    with the arrival (in this process) of the stream message that completed it."""
+    value, received = run_in_kernel(code, timeout, stamped=True)
+    return value, _split_messages(received)
 
 
 def _split_messages(received: list[tuple[float, str]]) -> list[tuple[float, str]]:
@@ -541,17 +502,6 @@ def plot(data: dict, path: Path) -> None:
 
 
 # --------------------------------------------------------------------------- main
-def _leftover_children() -> list[int]:
-    import psutil
-
-    found = []
-    for child in psutil.Process().children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            if child.status() != psutil.STATUS_ZOMBIE:
-                found.append(child.pid)
-    return found
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a short smoke run (~15 s)")
@@ -596,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
     samples["plain"] = measure_context(params, to_devnull=True)
     print("plain process: done", file=sys.stderr, flush=True)
 
-    leftovers = _leftover_children()
+    leftovers = leftover_children()
     data: dict[str, Any] = {
         "what": "latency and throughput of worker output into the kernel",
         "params": params,

@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import BENCH, RESULTS, run_in_kernel, stats, write_result
+from _common import BENCH, RESULTS, leftover_children, run_in_kernel, stats, write_result
 
 NAME = "result_transfer"
 SIZES_MIB = (1, 100, 500)
@@ -526,17 +526,6 @@ def plot(data: dict, path: Path) -> None:
 
 
 # --------------------------------------------------------------------------- main
-def _leftover_children() -> list[int]:
-    import psutil
-
-    found = []
-    for child in psutil.Process().children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            if child.status() != psutil.STATUS_ZOMBIE:
-                found.append(child.pid)
-    return found
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a short smoke run (~20 s)")
@@ -603,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
         "samples": samples,
         "summary": summarize(samples),
         "kernel_error": kernel_error,
-        "leftover_processes": _leftover_children(),
+        "leftover_processes": leftover_children(),
         "loadavg_before": loadavg_before,
         "loadavg_after": [round(x, 2) for x in os.getloadavg()],
         "seconds": round(time.perf_counter() - began, 1),
