@@ -112,6 +112,19 @@ def write_result(name: str, data: dict[str, Any], out: Path = RESULTS) -> Path:
     return path
 
 
+def publish(module: Any, data: dict[str, Any], out: Path) -> int:
+    """End of a benchmark's ``main``: write its JSON, plot it, print its tables and targets."""
+    path = write_result(module.NAME, data, out)
+    record = json.loads(path.read_text())
+    with contextlib.suppress(ImportError):
+        module.plot(record, out / f"{module.NAME}.png")
+    print(module.markdown(record))
+    for target in module.targets(record):
+        print(f"target {target['name']}: {target['measured']} -> met={target['met']}")
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
 def read_result(name: str, out: Path = RESULTS) -> dict[str, Any] | None:
     path = out / f"{name}.json"
     if not path.exists():

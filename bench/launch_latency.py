@@ -53,7 +53,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import os
 import socket
 import sys
@@ -66,7 +65,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as torch_mp
-from _common import BENCH, RESULTS, run_in_kernel, stats, write_result
+from _common import BENCH, RESULTS, publish, run_in_kernel, stats
 
 NAME = "launch_latency"
 SIZES = (1, 2, 4)
@@ -524,13 +523,7 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": round(time.perf_counter() - began, 1),
     }
     data["ratios"] = ratios(data)
-    path = write_result(NAME, data, args.out)
-    record = json.loads(path.read_text())
-    with contextlib.suppress(ImportError):
-        plot(record, args.out / f"{NAME}.png")
-    print(markdown(record))
-    print(f"wrote {path}", file=sys.stderr)
-    return 0
+    return publish(sys.modules[__name__], data, args.out)
 
 
 if __name__ == "__main__":

@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import os
 import statistics
 import sys
@@ -54,7 +53,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import BENCH, RESULTS, run_in_kernel, write_result
+from _common import BENCH, RESULTS, publish, run_in_kernel
 
 NAME = "memory"
 MB = 2**20
@@ -421,13 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         "kernel": measured,
         "seconds": round(time.perf_counter() - began, 1),
     }
-    path = write_result(NAME, data, args.out)
-    record = json.loads(path.read_text())
-    with contextlib.suppress(ImportError):
-        plot(record, args.out / f"{NAME}.png")
-    print(markdown(record))
-    print(f"wrote {path}", file=sys.stderr)
-    return 0
+    return publish(sys.modules[__name__], data, args.out)
 
 
 if __name__ == "__main__":

@@ -38,9 +38,7 @@ and ``output_path.png``, and prints the markdown tables. Target: print -> kernel
 from __future__ import annotations
 
 import argparse
-import contextlib
 import itertools
-import json
 import os
 import re
 import sys
@@ -48,7 +46,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import BENCH, RESULTS, leftover_children, run_in_kernel, stats, write_result
+from _common import BENCH, RESULTS, leftover_children, publish, run_in_kernel, stats
 
 NAME = "output_path"
 TAG = "NBOP"
@@ -558,15 +556,7 @@ def main(argv: list[str] | None = None) -> int:
         "loadavg_after": [round(x, 2) for x in os.getloadavg()],
         "seconds": round(time.perf_counter() - began, 1),
     }
-    path = write_result(NAME, data, args.out)
-    record = json.loads(path.read_text())
-    with contextlib.suppress(ImportError):
-        plot(record, args.out / f"{NAME}.png")
-    print(markdown(record))
-    for target in targets(record):
-        print(f"target {target['name']}: {target['measured']} -> met={target['met']}")
-    print(f"wrote {path}", file=sys.stderr)
-    return 0
+    return publish(sys.modules[__name__], data, args.out)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import sys
 import threading
@@ -39,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from _common import RESULTS, stats, write_result
+from _common import RESULTS, publish, stats
 from _ddp_loop import train
 
 import nb_dist
@@ -325,10 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         "total_seconds": round(time.perf_counter() - began, 1),
     }
     data["targets"] = targets(data)
-    path = write_result(NAME, data, args.out)
-    print(markdown(json.loads(path.read_text())))
-    print(f"total {data['total_seconds']:.0f} s", file=sys.stderr)
-    return 0
+    return publish(sys.modules[__name__], data, args.out)
 
 
 if __name__ == "__main__":

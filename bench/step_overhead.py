@@ -56,7 +56,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from _common import BENCH, RESULTS, ROOT, python, stats, write_result
+from _common import BENCH, RESULTS, ROOT, publish, python, stats
 from _ddp_loop import train
 
 import nb_dist
@@ -519,10 +519,7 @@ def main(argv: list[str] | None = None) -> int:
         "total_seconds": round(time.perf_counter() - began, 1),
     }
     data["targets"] = targets(data)
-    path = write_result(NAME, data, args.out)
-    print(markdown(json.loads(path.read_text())))
-    print(f"total {data['total_seconds']:.0f} s", file=sys.stderr)
-    return 0
+    return publish(sys.modules[__name__], data, args.out)
 
 
 if __name__ == "__main__":
