@@ -13,6 +13,7 @@ from .errors import (
     LaunchError,
     LaunchTimeoutError,
     RankOutcome,
+    RendezvousTimeoutError,
     UnsafeLaunchError,
     WorkerFailedError,
 )
@@ -53,6 +54,7 @@ __all__ = [
     "LossScaleView",
     "PrecisionExplorer",
     "RankOutcome",
+    "RendezvousTimeoutError",
     "ReportEntry",
     "Reports",
     "ShardExplorer",

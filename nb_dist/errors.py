@@ -9,6 +9,7 @@ __all__ = [
     "LaunchError",
     "LaunchTimeoutError",
     "RankOutcome",
+    "RendezvousTimeoutError",
     "UnsafeLaunchError",
     "WorkerFailedError",
 ]
@@ -121,3 +122,13 @@ class LaunchTimeoutError(LaunchError):
         self.stacks = stacks
         self.outcomes = outcomes
         self.logs = logs
+
+
+class RendezvousTimeoutError(LaunchTimeoutError):
+    """The ranks did not all join the process group within ``rendezvous_timeout`` seconds.
+
+    Raised instead of waiting for torch's own rendezvous timeout (minutes): the message says
+    which ranks waited in ``init_process_group``, which never got there and where they were,
+    and the likely cause (a wrong ``world_size``, different addresses, a rank that skips it).
+    ``timeout`` holds the ``rendezvous_timeout`` that passed.
+    """

@@ -11,8 +11,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import ports, preflight
-from .errors import LaunchTimeoutError, WorkerFailedError
+from . import _openmp, ports, preflight
+from .errors import LaunchTimeoutError, UnsafeLaunchError, WorkerFailedError
 from .output import DEFAULT_PREFIX, OUTPUT_MODES, OutputRouter
 from .precision import normalize_mixed_precision
 from .result import LaunchResult
@@ -21,6 +21,10 @@ from .tracebacks import cell_label
 
 # How long workers may take to reach the rendezvous store (the store's client timeout).
 _STORE_TIMEOUT = 300.0
+# How long the first rank to reach init_process_group waits for the others before the launch
+# is stopped with a report (torch itself would wait for minutes).
+RENDEZVOUS_TIMEOUT = 20.0
+_MULTI_NODE_RENDEZVOUS = 300.0
 
 
 def notebook_launcher(
@@ -48,6 +52,7 @@ def notebook_launcher(
     threads_per_process: int | None = None,
     hang_notice_after: float | None = 30.0,
     monitor: bool = False,
+    rendezvous_timeout: float | str | None = "auto",
 ) -> LaunchResult:
     """Run ``function(*args)`` on ``num_processes`` workers and return every rank's value.
 
@@ -91,9 +96,15 @@ def notebook_launcher(
             ``function`` (off by default, so code that creates it itself runs unchanged).
         device: ``"auto"`` (GPUs if any, else CPU), ``"cpu"`` or ``"cuda"``.
         threads_per_process: intra-op threads per worker. Default: cores / workers, unless
-            ``OMP_NUM_THREADS`` is set.
+            ``OMP_NUM_THREADS`` is set. Safe with fork after the kernel ran multi-threaded
+            torch work: the kernel's OpenMP pool is released before forking (see _openmp.py).
         hang_notice_after: when some ranks finished and another still runs this many seconds
             later, print where it is (a likely deadlock) and keep waiting. ``None``: never.
+        rendezvous_timeout: once one rank reaches ``init_process_group``, how many seconds the
+            others have to join before the launch is stopped with a report of who is missing
+            and where every rank is (:class:`~nb_dist.RendezvousTimeoutError`). ``"auto"``:
+            20 s on one machine, 300 s with ``num_nodes > 1`` (the other machines' cells may
+            start later). ``None``: wait as long as torch does (30 minutes).
         monitor: show a live per-rank dashboard (status, time, progress bars from
             :func:`nb_dist.progress`, last output, curves of reported scalars) in the cell.
             Only in a Jupyter kernel; the labelled text output is printed either way.
@@ -140,6 +151,9 @@ def notebook_launcher(
         )
     poll = preflight.check_seconds("monitor_interval", monitor_interval) or 0.1
     timeout = preflight.check_seconds("timeout", timeout)
+    if rendezvous_timeout == "auto":
+        rendezvous_timeout = RENDEZVOUS_TIMEOUT if num_nodes == 1 else _MULTI_NODE_RENDEZVOUS
+    rdzv_timeout = preflight.check_seconds("rendezvous_timeout", rendezvous_timeout)
     hang_after = preflight.check_seconds("hang_notice_after", hang_notice_after)
     if threads_per_process is not None:
         preflight.check_positive_int(
@@ -182,6 +196,10 @@ def notebook_launcher(
 
     payload = _pickle_for_spawn(function, call_args) if method != "fork" else None
     threads = _threads(threads_per_process, nprocs)
+    notices = []
+    if method == "fork":
+        threads, notice = _fork_safe_threads(threads, explicit=threads_per_process is not None)
+        notices += [notice] if notice else []
     world_size = nprocs * num_nodes
     ranks = [node_rank * nprocs + local for local in range(nprocs)]
     prefix = log_line_prefix_template or DEFAULT_PREFIX
@@ -194,6 +212,11 @@ def notebook_launcher(
     while True:
         router = OutputRouter(ranks, output_mode, prefix)
         router.observer = live_view
+        for text in notices:
+            router.notice(text)
+        notices = []
+        if method == "fork" and attempt:
+            _openmp.release_pool()  # a restart forks again: the kernel may have a pool again
         store = None
         if node_rank == 0:
             store = ports.open_store(master_addr, port, world_size, _STORE_TIMEOUT)
@@ -235,6 +258,7 @@ def notebook_launcher(
                 timeout=timeout,
                 hang_notice_after=hang_after,
                 poll_interval=poll,
+                rendezvous_timeout=rdzv_timeout,
                 payload=payload,
                 linecache_entries=_cell_sources() if payload is not None else {},
                 observer=live_view,
@@ -344,6 +368,34 @@ def _threads(threads_per_process: int | None, nprocs: int) -> int | None:
     except AttributeError:  # pragma: no cover - not Linux
         cores = os.cpu_count() or 1
     return max(1, cores // nprocs)
+
+
+def _fork_safe_threads(threads: int | None, explicit: bool) -> tuple[int | None, str | None]:
+    """Threads per forked worker that cannot hang on the kernel's OpenMP pool, and a notice.
+
+    See nb_dist/_openmp.py: the pool is released before forking; where it cannot be, a
+    throw-away child tells whether fork with threads would hang, and then the launch uses one
+    thread (or refuses an explicit ``threads_per_process > 1``).
+    """
+    wanted = threads if threads is not None else _kernel_threads()
+    if wanted <= 1:
+        return threads, None
+    release = _openmp.release_pool()
+    if release.status in ("released", "idle", "absent"):
+        return threads, _openmp.release_notice(release, wanted)
+    if not _openmp.pool_breaks_fork(wanted):
+        return threads, None
+    if explicit:
+        raise UnsafeLaunchError(_openmp.fork_unsafe_message(wanted))
+    return 1, _openmp.single_thread_notice(wanted)
+
+
+def _kernel_threads() -> int:
+    """Threads a forked worker inherits when the launcher does not set them."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    return int(torch.get_num_threads()) if torch is not None else 1
 
 
 def _is_loopback(host: str) -> bool:

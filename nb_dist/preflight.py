@@ -192,8 +192,8 @@ class CudaState:
 def probe_cuda() -> CudaState:
     """Count visible GPUs and find out whether fork is already poisoned, without touching CUDA.
 
-    ``torch.cuda.is_initialized()`` misses the commonest poisoning (``is_available()`` and
-    ``device_count()`` poison fork without initializing), and torch's own bad-fork flag is only
+    ``torch.cuda.is_initialized()`` misses the commonest poisoning (``is_available()`` without
+    NVML poisons fork without initializing), and torch's own bad-fork flag is only
     set in a child. So fork a throw-away child that asks torch whether it is in a bad fork and
     counts the devices, and exits. Milliseconds, and skipped entirely on CPU builds.
     """
@@ -249,8 +249,9 @@ def cuda_poisoned_error(state: CudaState) -> UnsafeLaunchError:
     return UnsafeLaunchError(
         "CUDA was already initialized in this kernel. "
         f"{where} Workers forked from the kernel now cannot use CUDA: each would fail with "
-        "'Cannot re-initialize CUDA in forked subprocess'. Even torch.cuda.is_available(), "
-        "torch.cuda.device_count() or loading a checkpoint onto the GPU in a cell does this. "
+        "'Cannot re-initialize CUDA in forked subprocess'. Even torch.cuda.is_available() "
+        "(unless PYTORCH_NVML_BASED_CUDA_CHECK=1, which importing nb_dist sets), creating a "
+        "CUDA tensor, or loading a checkpoint onto the GPU in a cell does this. "
         "To continue without restarting the kernel, launch with start_method='spawn' (fresh "
         "processes; the function is shipped with cloudpickle). To keep fork, restart the "
         "kernel and keep every CUDA call (model.to('cuda'), torch.cuda.*) inside the launched "

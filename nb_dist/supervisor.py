@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-from .errors import LaunchTimeoutError, RankOutcome, WorkerFailedError
+from . import _diagnosis
+from .errors import LaunchTimeoutError, RankOutcome, RendezvousTimeoutError, WorkerFailedError
 from .output import LineSplitter, OutputRouter
 from .reporting import Reports
 from .tracebacks import blocked_place, format_frames, parse_fault_dump, relabel_cells
@@ -68,6 +69,7 @@ class AttemptConfig:
     timeout: float | None
     hang_notice_after: float | None
     poll_interval: float
+    rendezvous_timeout: float | None = None
     payload: bytes | None = None
     linecache_entries: dict[str, Any] = field(default_factory=dict)
     observer: Any = None  # a live view (the launch monitor), see nb_dist/monitor.py
@@ -103,6 +105,11 @@ class _Worker:
         self.stop_requested = False
         self.readers: list[Connection] = []
         self.finalized = False
+        # The rendezvous as this rank reported it (see nb_dist/_rendezvous.py).
+        self.rdzv_entered_at: float | None = None
+        self.rdzv_done = False
+        self.rdzv_world_size: int | None = None
+        self.rdzv_endpoint: str | None = None
 
     @property
     def alive(self) -> bool:
@@ -124,6 +131,8 @@ class Supervisor:
         self._first_finish: float | None = None
         self._hang_noticed: set[int] = set()
         self._failure_seen = False
+        self._rdzv_first: float | None = None
+        self._rdzv_complete = False
         self.reports = Reports()
         self.observer = config.observer
 
@@ -241,6 +250,7 @@ class Supervisor:
             self._poll_processes()
             self._flush_stale_partials()
             self._check_failures()
+            self._check_rendezvous()
             self._check_stragglers()
             if self.observer is not None:
                 self.observer.tick()
@@ -304,6 +314,16 @@ class Supervisor:
                 self.observer.started(worker.local_rank)
         elif tag == "returned":
             worker.outcome.returned_at = message[1]
+        elif tag == "rendezvous":
+            _, stage, when, world_size, endpoint = message
+            if stage == "enter":
+                worker.rdzv_entered_at = when
+                worker.rdzv_world_size = world_size
+                worker.rdzv_endpoint = endpoint
+                if self._rdzv_first is None:
+                    self._rdzv_first = when
+            else:
+                worker.rdzv_done = True
         elif tag == "error":
             worker.error = message[1]
         elif tag == "result":
@@ -437,6 +457,59 @@ class Supervisor:
                     "the launcher. Still waiting, since a rank may also legitimately work alone."
                 )
 
+    def _check_rendezvous(self) -> None:
+        """Stop a rendezvous that has not completed ``rendezvous_timeout`` s after it began."""
+        limit = self.config.rendezvous_timeout
+        if limit is None or self._rdzv_first is None or self._rdzv_complete:
+            return
+        if self._failure_seen:
+            return  # a rank failed: the failure report explains, not the rendezvous
+        if all(w.rdzv_done for w in self.workers):
+            self._rdzv_complete = True
+            return
+        if time.monotonic() - self._rdzv_first >= limit:
+            raise self._rendezvous_error(limit)
+
+    def _rendezvous_error(self, limit: float) -> RendezvousTimeoutError:
+        live = [w for w in self.workers if w.alive]
+        frames = self._stacks(live)
+        self._stop_all()
+        self._drain_and_reap()
+        now = time.monotonic()
+        views = []
+        stacks: dict[int, str] = {}
+        for worker in self.workers:
+            out = worker.outcome
+            if worker.local_rank in frames and worker.rdzv_entered_at is None:
+                stacks[out.rank] = format_frames(frames[worker.local_rank])
+            if worker in live and out.returned_at is None:
+                state = "running"
+            elif out.returned_at is not None or out.status == "ok":
+                state = "returned"
+            else:
+                state = out.describe()
+            views.append(
+                _diagnosis.RendezvousView(
+                    rank=out.rank,
+                    waited=None if worker.rdzv_entered_at is None else now - worker.rdzv_entered_at,
+                    done=worker.rdzv_done,
+                    asked_world_size=worker.rdzv_world_size,
+                    endpoint=worker.rdzv_endpoint,
+                    state=state,
+                    place=blocked_place(frames[worker.local_rank])
+                    if worker.local_rank in frames
+                    else None,
+                )
+            )
+        text = _diagnosis.rendezvous_report(limit, len(self.workers), views)
+        for rank, stack in stacks.items():
+            text += f"\n\nStack of rank {rank} (most recent call last):\n{stack}"
+        logs = [self.router.log_text(w.local_rank) for w in self.workers]
+        outcomes = [w.outcome for w in self.workers]
+        error = RendezvousTimeoutError(text, limit, stacks, outcomes, logs)
+        error.reports = self.reports
+        return error
+
     # ----------------------------------------------------------------- stacks
     def _stacks(self, workers: list[_Worker]) -> dict[int, list[tuple[str, int, str]]]:
         """Ask live workers for their Python stacks (SIGUSR1 → faulthandler) and parse them."""
@@ -562,6 +635,7 @@ class Supervisor:
             f"The launch did not finish within timeout={timeout:g} s, so all ranks were stopped."
         ]
         stacks: dict[int, str] = {}
+        calls: list[str | None] = []
         teardown = False
         for worker in self.workers:
             rank = worker.outcome.rank
@@ -573,6 +647,7 @@ class Supervisor:
                 teardown = True
             elif worker.local_rank in frames:
                 where = blocked_place(frames[worker.local_rank])
+                calls.append(_diagnosis.distributed_call(frames[worker.local_rank]))
                 lines.append(f"rank {rank} was blocked at {where}")
                 stacks[rank] = format_frames(frames[worker.local_rank])
             elif worker in live:
@@ -581,11 +656,8 @@ class Supervisor:
                 lines.append(worker.outcome.describe())
         for rank, text in stacks.items():
             lines.append(f"\nStack of rank {rank} (most recent call last):\n{text}")
-        lines.append(
-            "\nA rank blocked in a collective (all_reduce, barrier, ...) that other ranks skipped "
-            "or already left is a deadlock: make every rank call the same collectives in the same "
-            "order. If the work is only slow, pass a larger timeout."
-        )
+        if calls:
+            lines.append("\n" + _diagnosis.timeout_hint(calls))
         if teardown:
             lines.append(_TEARDOWN_NOTE)
         logs = [self.router.log_text(w.local_rank) for w in self.workers]

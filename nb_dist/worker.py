@@ -109,7 +109,7 @@ def _run(spec: WorkerSpec, channels: WorkerChannels, forked: bool) -> int:
     started = time.monotonic()
     try:
         function, args = _load_function(spec)
-        _prepare_torch(spec)
+        _prepare_torch(spec, sink.send)
         try:
             value = function(*args)
         except SystemExit as exc:
@@ -311,9 +311,12 @@ def _load_function(spec: WorkerSpec) -> tuple[Callable[..., Any], tuple[Any, ...
     return function, tuple(args)
 
 
-def _prepare_torch(spec: WorkerSpec) -> None:
+def _prepare_torch(spec: WorkerSpec, send: Callable[[tuple[Any, ...]], None]) -> None:
     import torch
 
+    from . import _rendezvous
+
+    _rendezvous.install(send, spec.env["MASTER_ADDR"], int(spec.env["MASTER_PORT"]))
     if spec.threads is not None:
         torch.set_num_threads(spec.threads)
     if spec.use_gpu:

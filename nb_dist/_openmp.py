@@ -1,0 +1,169 @@
+"""The kernel's OpenMP thread pool, and why it must be released before a fork.
+
+torch's Linux builds run intra-op parallel work (convolutions, matmuls, large element-wise
+ops) on GNU OpenMP (libgomp). The first parallel region a thread runs starts a pool of
+threads that stays. ``fork`` copies only the calling thread, but the child's libgomp still
+believes the pool exists: the child's first parallel region with more than one thread waits
+forever for threads that were never copied. So a cell that trains in the kernel, followed by
+a launch with two or more threads per worker, hangs in the workers' first convolution.
+
+The fix used here: just before forking, the launcher releases the calling thread's pool with
+``omp_pause_resource_all(omp_pause_hard)`` (OpenMP 5.0, in every libgomp since GCC 9). The
+workers then start pools of their own and keep all their threads; the kernel re-creates its
+pool at its next parallel op, which costs about a millisecond.
+
+Where that cannot be done (a libgomp without the call, or ``NB_DIST_RELEASE_OPENMP=0``), a
+throw-away child runs one small parallel op under a deadline. If it hangs, the pool is alive
+and fork is unsafe with threads: the launch then uses one thread per worker (and says so), or
+refuses an explicit ``threads_per_process > 1`` with the alternatives.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import select
+import signal
+import sys
+import time
+from dataclasses import dataclass
+
+# Set to 0 to keep the kernel's pool (for comparison or if releasing it misbehaves).
+RELEASE_ENV = "NB_DIST_RELEASE_OPENMP"
+
+_OMP_PAUSE_HARD = 2  # omp_pause_resource_t: omp_pause_soft = 1, omp_pause_hard = 2
+# How long the fallback probe's parallel op may take before the pool is judged broken. A
+# healthy op of this size takes milliseconds; the deadline covers a heavily loaded machine.
+PROBE_DEADLINE = 3.0
+
+_announced = False
+
+
+@dataclass(frozen=True)
+class Release:
+    """What :func:`release_pool` did.
+
+    ``status``: ``"released"`` (a pool existed and was freed), ``"idle"`` (OpenMP is loaded but
+    this thread had no pool, or it was freed), ``"absent"`` (no libgomp in this process),
+    ``"disabled"`` (``NB_DIST_RELEASE_OPENMP=0``) or ``"unsupported"`` (a libgomp without
+    ``omp_pause_resource_all``, or the call failed).
+    """
+
+    status: str
+    threads_freed: int = 0
+
+
+def libgomp_path() -> str | None:
+    """The file of the GNU OpenMP runtime loaded in this process, if any."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.rsplit(" ", 1)[-1].strip()
+                if os.path.basename(path).startswith("libgomp"):
+                    return path
+    except OSError:
+        return None
+    return None
+
+
+def _thread_count() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 0
+
+
+def release_pool() -> Release:
+    """Free the calling thread's OpenMP pool so that a fork of this thread is safe."""
+    if os.environ.get(RELEASE_ENV, "").strip().lower() in ("0", "false", "no", "off"):
+        return Release("disabled")
+    path = libgomp_path()
+    if path is None:
+        return Release("absent")
+    try:
+        pause = ctypes.CDLL(path).omp_pause_resource_all
+    except (OSError, AttributeError):
+        return Release("unsupported")
+    pause.argtypes = [ctypes.c_int]
+    pause.restype = ctypes.c_int
+    before = _thread_count()
+    if pause(_OMP_PAUSE_HARD) != 0:
+        return Release("unsupported")
+    freed = max(0, before - _thread_count())
+    return Release("released" if freed else "idle", freed)
+
+
+def pool_breaks_fork(threads: int) -> bool:
+    """True if a forked child hangs in a parallel op with ``threads`` threads.
+
+    Forks a throw-away child that runs one parallel op and reports back; a child that has not
+    answered within :data:`PROBE_DEADLINE` is killed, and the answer is yes.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None or libgomp_path() is None:
+        return False
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the throw-away child: one parallel op, report, leave
+        try:
+            os.close(read_fd)
+            torch.set_num_threads(threads)
+            torch.ones(1 << 20).add_(1.0).sum()
+            os.write(write_fd, b"ok")
+        finally:
+            os._exit(0)
+    os.close(write_fd)
+    try:
+        ready, _, _ = select.select([read_fd], [], [], PROBE_DEADLINE)
+        answered = bool(ready) and os.read(read_fd, 2) == b"ok"
+    finally:
+        os.close(read_fd)
+        if not _reaped(pid):
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    return not answered
+
+
+def _reaped(pid: int) -> bool:
+    deadline = time.monotonic() + 0.5
+    while time.monotonic() < deadline:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return True
+        time.sleep(0.002)
+    return False
+
+
+def release_notice(release: Release, threads: int) -> str | None:
+    """The one-time notice after the kernel's pool was released (``None`` after the first)."""
+    global _announced
+    if release.status != "released" or _announced:
+        return None
+    _announced = True
+    return (
+        "The kernel had already run multi-threaded torch work, and OpenMP's thread pool does "
+        "not survive fork (workers would hang in their first parallel op). nb_dist released "
+        f"the kernel's pool before forking, so each rank keeps its {threads} threads. Cost: "
+        "the kernel starts a new pool at its next parallel op (about a millisecond)."
+    )
+
+
+def single_thread_notice(threads: int) -> str:
+    return (
+        "The kernel had already run multi-threaded torch work, and OpenMP's thread pool does "
+        "not survive fork; this OpenMP runtime cannot release it. Workers run with 1 thread "
+        f"instead of {threads} so that they do not hang. For all threads, launch with "
+        "start_method='forkserver' (fresh processes) or restart the kernel and launch before "
+        "training in it."
+    )
+
+
+def fork_unsafe_message(threads: int) -> str:
+    return (
+        f"threads_per_process={threads} cannot work with start_method='fork' now: the kernel "
+        "already ran multi-threaded torch work, and OpenMP's thread pool does not survive fork, "
+        "so every worker would hang in its first parallel op (a convolution, a matmul). This "
+        "OpenMP runtime cannot release the pool. Launch with start_method='forkserver' (fresh "
+        "processes, all threads), or with threads_per_process=1, or restart the kernel and "
+        "launch before running torch work in it."
+    )

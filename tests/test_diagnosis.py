@@ -1,0 +1,160 @@
+"""Diagnosis as pure functions: hand-built stacks and rendezvous states, no processes."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from nb_dist import LaunchTimeoutError, notebook_launcher
+from nb_dist._diagnosis import (
+    RendezvousView,
+    distributed_call,
+    is_rendezvous,
+    rendezvous_report,
+    timeout_hint,
+)
+
+TORCH = "/venv/lib/python3.11/site-packages/torch"
+ALL_REDUCE = [
+    ("/tmp/ipykernel_1/123.py", 9, "train"),
+    (f"{TORCH}/distributed/c10d_logger.py", 83, "wrapper"),
+    (f"{TORCH}/distributed/distributed_c10d.py", 3252, "all_reduce"),
+]
+INIT = [
+    ("/tmp/ipykernel_1/123.py", 4, "train"),
+    (f"{TORCH}/distributed/c10d_logger.py", 83, "wrapper"),
+    (f"{TORCH}/distributed/c10d_logger.py", 95, "wrapper"),
+    (f"{TORCH}/distributed/distributed_c10d.py", 1890, "init_process_group"),
+    (f"{TORCH}/distributed/rendezvous.py", 280, "_env_rendezvous_handler"),
+]
+CONV = [
+    ("/tmp/ipykernel_1/123.py", 12, "train"),
+    (f"{TORCH}/nn/modules/module.py", 1775, "_call_impl"),
+    (f"{TORCH}/nn/modules/conv.py", 548, "forward"),
+]
+DDP_FORWARD = [
+    ("/tmp/ipykernel_1/123.py", 12, "train"),
+    (f"{TORCH}/nn/parallel/distributed.py", 1650, "forward"),
+]
+
+
+def test_distributed_call_names_the_function_the_user_called():
+    assert distributed_call(ALL_REDUCE) == "all_reduce"
+    assert distributed_call(INIT) == "init_process_group"
+    assert distributed_call(DDP_FORWARD) == "DistributedDataParallel.forward"
+    assert distributed_call(CONV) is None
+    assert distributed_call([]) is None
+    assert is_rendezvous("init_process_group") and not is_rendezvous("all_reduce")
+
+
+def test_timeout_hint_names_a_collective_only_when_a_rank_is_in_one():
+    assert "blocked in a collective" in timeout_hint(["all_reduce", None])
+    conv = timeout_hint([None, None])
+    assert "No rank was in a collective" in conv and "collective (all_reduce" not in conv
+    rendezvous = timeout_hint(["init_process_group"])
+    assert "init_process_group" in rendezvous and "collective (all_reduce" not in rendezvous
+
+
+def _view(rank, waited=None, done=False, world=None, endpoint=None, state="running", place=None):
+    return RendezvousView(rank, waited, done, world, endpoint, state, place)
+
+
+def test_rendezvous_report_missing_rank():
+    text = rendezvous_report(
+        5,
+        2,
+        [
+            _view(0, waited=5.2, world=2, endpoint="127.0.0.1:29500"),
+            _view(1, place="`load_data()` at Cell In[4], line 3, in train"),
+        ],
+    )
+    assert text.startswith("The ranks did not all join the process group within ")
+    assert "rank 0 waited 5.2 s in init_process_group, world_size=2 at 127.0.0.1:29500" in text
+    assert (
+        "rank 1 had not reached init_process_group after 5.2 s; it was at `load_data()` at "
+        "Cell In[4], line 3, in train" in text
+    )
+    assert "Likely cause: rank 1 had not called init_process_group" in text
+    assert "larger rendezvous_timeout" in text
+
+
+def test_rendezvous_report_causes():
+    wrong_world = rendezvous_report(3, 2, [_view(0, 3.0, world=4), _view(1, 3.0, world=4)])
+    assert "asked for world_size 4, but this launch started 2 rank(s)" in wrong_world
+    assert "had not called" not in wrong_world
+
+    addresses = rendezvous_report(
+        3, 2, [_view(0, 3.0, world=2, endpoint="a:1"), _view(1, 3.0, world=2, endpoint="a:2")]
+    )
+    assert "different rendezvous addresses (a:1, a:2)" in addresses
+
+    returned = rendezvous_report(3, 2, [_view(0, 3.0, world=2), _view(1, state="returned")])
+    assert "rank 1 never called init_process_group: its function returned" in returned
+
+    joined = rendezvous_report(3, 2, [_view(0, done=True), _view(1, 3.0)])
+    assert "rank 0 had joined the process group" in joined
+
+
+# A launch in this process (fork): the timeout hint for a rank that is not in a collective.
+def _blocked_outside_collectives():
+    threading.Event().wait()
+
+
+@pytest.mark.timeout(60)
+def test_timeout_of_a_rank_outside_collectives_does_not_blame_one():
+    with pytest.raises(LaunchTimeoutError) as info:
+        notebook_launcher(_blocked_outside_collectives, num_processes=2, timeout=1.5)
+    text = str(info.value)
+    assert "was blocked at `threading.Event().wait()`" in text
+    assert "No rank was in a collective" in text
+    assert "blocked in a collective" not in text
+
+
+def _all_reduce_then_block():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(1))
+    else:
+        threading.Event().wait()
+
+
+@pytest.mark.timeout(60)
+def test_timeout_in_a_collective_names_the_deadlock():
+    with pytest.raises(LaunchTimeoutError) as info:
+        notebook_launcher(_all_reduce_then_block, num_processes=2, timeout=3)
+    text = str(info.value)
+    assert "rank 0 was blocked at `dist.all_reduce(torch.ones(1))`" in text
+    assert "A rank blocked in a collective (all_reduce, barrier, ...)" in text
+
+
+# ------------------------------------------------------------------ the OpenMP pool
+@pytest.mark.timeout(60)
+def test_release_pool_frees_this_threads_pool():
+    from nb_dist import _openmp
+
+    assert _openmp.libgomp_path() is not None  # torch's Linux wheels use GNU OpenMP
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.ones(1 << 20).add_(1.0).sum()  # starts this thread's pool (2 threads)
+        # The probe sees the real hang: its child's parallel op never ends.
+        assert _openmp.pool_breaks_fork(2)
+        release = _openmp.release_pool()
+        assert release.status == "released" and release.threads_freed >= 1
+        assert _openmp.release_pool().status == "idle"  # nothing left to free
+        assert not _openmp.pool_breaks_fork(2)  # a fork is safe now
+        # The pool comes back at the next parallel op, and the result is right.
+        assert torch.ones(1 << 20).add_(1.0).sum().item() == 2 * (1 << 20)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_release_can_be_turned_off(monkeypatch):
+    from nb_dist import _openmp
+
+    monkeypatch.setenv(_openmp.RELEASE_ENV, "0")
+    assert _openmp.release_pool().status == "disabled"
