@@ -2,8 +2,21 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
+
+try:  # what torchrun and accelerate.notebook_launcher raise when a worker fails
+    from torch.distributed.elastic.multiprocessing.errors import (
+        ChildFailedError as _ChildFailedError,
+    )
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure as _ProcessFailure
+except ImportError:  # pragma: no cover - a torch without torch.distributed
+
+    class _ChildFailedError(Exception):  # type: ignore[no-redef]
+        """Stand-in where torch.distributed.elastic is missing."""
+
+    _ProcessFailure = None  # type: ignore[assignment,misc]
 
 __all__ = [
     "LaunchError",
@@ -74,15 +87,23 @@ class LaunchError(RuntimeError):
     reports: Any = None
 
 
-class UnsafeLaunchError(LaunchError):
+class UnsafeLaunchError(LaunchError, ValueError):
     """The kernel is in a state where starting workers would fail or misbehave.
 
-    Raised before any worker starts; the message says what was found and what to do.
+    Raised before any worker starts; the message says what was found and what to do. Also a
+    ``ValueError``, which is what ``accelerate.notebook_launcher`` raises for the same states,
+    so code written for it catches this too.
     """
 
 
-class WorkerFailedError(LaunchError):
+class WorkerFailedError(LaunchError, _ChildFailedError):
     """One or more ranks failed. The message starts with the root cause.
+
+    Also torch's ``ChildFailedError`` (what ``torchrun`` and ``accelerate.notebook_launcher``
+    raise), so ``except ChildFailedError`` in code written for them catches it, with that
+    class's data filled in: ``name`` and ``failures`` (global rank → ``ProcessFailure`` with
+    pid, exit code and the rank's error message; the root cause first), and
+    ``get_first_failure()``.
 
     Attributes:
         root_cause: the outcome of the rank that failed first (not a collateral failure).
@@ -93,10 +114,53 @@ class WorkerFailedError(LaunchError):
     def __init__(
         self, message: str, root_cause: RankOutcome, outcomes: list[RankOutcome], logs: list[str]
     ) -> None:
-        super().__init__(message)
+        # Not ChildFailedError.__init__: its message is torchrun's table; ours leads with the
+        # root cause. Its attributes are set here instead.
+        RuntimeError.__init__(self, message)
         self.root_cause = root_cause
         self.outcomes = outcomes
         self.logs = logs
+        self.name = "notebook_launcher"
+        self.failures = _process_failures(root_cause, outcomes)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (str(self), self.root_cause, self.outcomes, self.logs))
+
+
+def _process_failures(root: RankOutcome, outcomes: list[RankOutcome]) -> dict[int, Any]:
+    """torch's ``{global rank: ProcessFailure}`` for the failed ranks, root cause first."""
+    if _ProcessFailure is None:  # pragma: no cover
+        return {}
+    failed = [root] + [
+        o for o in outcomes if o is not root and o.status in ("failed", "collateral")
+    ]
+    now_wall, now_mono = time.time(), time.monotonic()
+    failures = {}
+    for outcome in failed:
+        if outcome.signal_name is not None:
+            code = -_signal_number(outcome.signal_name)
+        else:
+            code = outcome.exit_code if outcome.exit_code not in (None, 0) else 1
+        failure = _ProcessFailure(outcome.local_rank, outcome.pid or -1, code, "<N/A>")
+        if outcome.exc_type:
+            failure.message = f"{outcome.exc_type}: {outcome.message}"
+        elif outcome.message:
+            failure.message = outcome.message
+        if outcome.failed_at is not None:
+            failure.timestamp = int(now_wall - (now_mono - outcome.failed_at))
+        failures[outcome.rank] = failure
+    first = min(f.timestamp for f in failures.values())
+    failures[root.rank].timestamp = first  # get_first_failure() names the root cause
+    return failures
+
+
+def _signal_number(name: str) -> int:
+    import signal
+
+    try:
+        return int(signal.Signals[name])
+    except KeyError:
+        return 9
 
 
 class LaunchTimeoutError(LaunchError):

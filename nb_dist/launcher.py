@@ -6,7 +6,9 @@ import ipaddress
 import linecache
 import multiprocessing
 import os
+import shutil
 import socket
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -77,8 +79,10 @@ def notebook_launcher(
         node_rank, num_nodes: this machine's index and the number of machines; run the same
             cell on every machine at about the same time.
         rdzv_backend, rdzv_endpoint, rdzv_conf, rdzv_id: Accelerate's rendezvous options.
-            Only the static rendezvous is supported; ``rdzv_endpoint="host:port"`` is read as
-            ``master_addr``/``use_port``.
+            ``"static"``, or ``"c10d"`` on one machine (the same ranks); ``rdzv_endpoint=
+            "host:port"`` is read as ``master_addr``/``use_port``; ``rdzv_conf``'s
+            ``"timeout"``/``"join_timeout"`` set ``rendezvous_timeout``, other keys are ignored
+            with a notice.
         max_restarts: restart the whole group up to this many times after a failure.
         monitor_interval: seconds between checks of the workers' state.
         log_line_prefix_template: label for each output line, e.g. ``"[${rank}]: "``
@@ -133,9 +137,11 @@ def notebook_launcher(
         "num_nodes", num_nodes, "Use num_nodes=1 for a launch on this machine only."
     )
     node_rank = preflight.check_node_rank(node_rank, num_nodes)
-    master_addr, port = _rendezvous_address(
-        rdzv_backend, rdzv_endpoint, rdzv_conf, master_addr, use_port
-    )
+    master_addr, port = _rendezvous_address(rdzv_endpoint, master_addr, use_port)
+    _check_rdzv_backend(rdzv_backend, num_nodes)
+    conf_timeout, notices = _read_rdzv_conf(rdzv_conf)
+    if conf_timeout is not None and rendezvous_timeout == "auto":
+        rendezvous_timeout = conf_timeout
     if num_nodes > 1 and port is None:
         raise ValueError(
             f"use_port=None with num_nodes={num_nodes}: every machine must know the port in "
@@ -196,7 +202,6 @@ def notebook_launcher(
 
     payload = _pickle_for_spawn(function, call_args) if method != "fork" else None
     threads = _threads(threads_per_process, nprocs)
-    notices = []
     if method == "fork":
         threads, notice = _fork_safe_threads(threads, explicit=threads_per_process is not None)
         notices += [notice] if notice else []
@@ -218,6 +223,7 @@ def notebook_launcher(
         if method == "fork" and attempt:
             _openmp.release_pool()  # a restart forks again: the kernel may have a pool again
         store = None
+        error_dir = tempfile.mkdtemp(prefix="nb_dist_errors_")
         if node_rank == 0:
             store = ports.open_store(master_addr, port, world_size, _STORE_TIMEOUT)
             actual_port = store.port
@@ -241,6 +247,7 @@ def notebook_launcher(
                     threads=threads,
                     use_gpu=use_gpu,
                     force_cpu=device == "cpu",
+                    error_file=_error_file(error_dir, rank),
                 )
                 for local, rank in enumerate(ranks)
             ]
@@ -292,6 +299,7 @@ def notebook_launcher(
             if store is not None:
                 ports.forget_store(store)
                 store = None  # drops the last reference: the server stops, the port is free
+            shutil.rmtree(error_dir, ignore_errors=True)
         if live_view is not None:
             live_view.close(outcome.outcomes)
         return LaunchResult(
@@ -308,25 +316,60 @@ def notebook_launcher(
         )
 
 
+def _check_rdzv_backend(backend: object, num_nodes: int) -> None:
+    """``"static"`` always; ``"c10d"`` on one machine, where it gives the same ranks."""
+    name = backend.lower() if isinstance(backend, str) else None
+    if name == "static" or (name == "c10d" and num_nodes == 1):
+        # On one machine a c10d rendezvous assigns the same ranks a static one does (one
+        # agent, local ranks in order), so the kernel-hosted static store stands in for it.
+        return
+    if name == "c10d":
+        raise ValueError(
+            f"rdzv_backend='c10d' with num_nodes={num_nodes}: an elastic rendezvous across "
+            "machines (nodes joining and leaving, ranks assigned on arrival) needs torchrun's "
+            "agent on every machine, which a notebook launch does not have. Use "
+            "rdzv_backend='static' with the same master_addr and use_port on every machine "
+            "(each with its own node_rank), or run a script with torchrun --rdzv-backend=c10d."
+        )
+    raise ValueError(
+        f"rdzv_backend={backend!r} is not supported. Use 'static' (the default) or, on one "
+        "machine, 'c10d' (the same ranks); for other elastic rendezvous backends run a script "
+        "with torchrun."
+    )
+
+
+# rdzv_conf keys that mean "how long to wait for the ranks to join" (torchrun's names).
+_RDZV_TIMEOUT_KEYS = ("join_timeout", "timeout")
+
+
+def _read_rdzv_conf(conf: object) -> tuple[float | None, list[str]]:
+    """The rendezvous timeout an Accelerate-style ``rdzv_conf`` asks for, and notices."""
+    if conf is None or conf == {}:
+        return None, []
+    if not isinstance(conf, dict):
+        raise TypeError(
+            f"rdzv_conf={conf!r} must be a dict, e.g. rdzv_conf={{'timeout': 60}}, or None."
+        )
+    timeout = None
+    for key in _RDZV_TIMEOUT_KEYS:
+        if key in conf:
+            timeout = preflight.check_seconds(f"rdzv_conf[{key!r}]", conf[key])
+            break
+    ignored = sorted(str(k) for k in conf if k not in _RDZV_TIMEOUT_KEYS)
+    notices = []
+    if ignored:
+        notices.append(
+            f"rdzv_conf keys {', '.join(ignored)} configure torchrun's elastic agent and are "
+            "ignored here; 'timeout'/'join_timeout' set rendezvous_timeout."
+        )
+    return timeout, notices
+
+
 def _rendezvous_address(
-    backend: object,
     endpoint: object,
-    conf: object,
     master_addr: object,
     use_port: object,
 ) -> tuple[str, int | None]:
-    if not isinstance(backend, str) or backend.lower() != "static":
-        raise ValueError(
-            f"rdzv_backend={backend!r} is not supported: nb_dist uses a static rendezvous on "
-            "master_addr:use_port, which is what a notebook launch needs. Leave rdzv_backend "
-            "unset (or 'static'); for elastic jobs run a script with torchrun "
-            "--rdzv-backend=c10d instead."
-        )
-    if conf:
-        raise ValueError(
-            f"rdzv_conf={conf!r} is not supported (it configures elastic rendezvous). Leave it "
-            "unset; use timeout=... for a time limit on the whole launch."
-        )
     if not isinstance(master_addr, str) or not master_addr:
         raise TypeError(f"master_addr={master_addr!r} must be a host name or IP address string.")
     port = preflight.check_port(use_port)
@@ -417,6 +460,11 @@ def _loopback_interface() -> str | None:
     return None
 
 
+def _error_file(folder: str, rank: int) -> str:
+    os.makedirs(os.path.join(folder, str(rank)), exist_ok=True)
+    return os.path.join(folder, str(rank), "error.json")
+
+
 def _worker_env(
     *,
     rank: int,
@@ -434,6 +482,7 @@ def _worker_env(
     threads: int | None,
     use_gpu: bool,
     force_cpu: bool,
+    error_file: str | None = None,
 ) -> dict[str, str]:
     """The environment torchrun would give this rank, plus nb_dist's own hand-offs."""
     env = {
@@ -445,7 +494,8 @@ def _worker_env(
         "GROUP_RANK": str(node_rank),
         "GROUP_WORLD_SIZE": str(num_nodes),
         "ROLE_RANK": str(rank),
-        "ROLE_NAME": "default",
+        # What torch's elastic_launch (and so accelerate.notebook_launcher) gives.
+        "ROLE_NAME": "default_role",
         "ROLE_WORLD_SIZE": str(world_size),
         "MASTER_ADDR": master_addr,
         "MASTER_PORT": str(port),
@@ -456,7 +506,14 @@ def _worker_env(
         "TORCHELASTIC_RUN_ID": str(run_id),
         "ACCELERATE_MIXED_PRECISION": mixed,
         "NB_DIST_MIXED_PRECISION": mixed,
+        # accelerate.notebook_launcher's own hand-offs, for code that reads them.
+        "MIXED_PRECISION": mixed,
+        "NPROC": str(nprocs),
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
     }
+    if error_file is not None:
+        # Where torch's @record writes a failing rank's error (torchrun sets one per rank).
+        env["TORCHELASTIC_ERROR_FILE"] = error_file
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
     if _is_loopback(master_addr) and not os.environ.get("GLOO_SOCKET_IFNAME"):
@@ -465,9 +522,7 @@ def _worker_env(
         interface = _loopback_interface()
         if interface:
             env["GLOO_SOCKET_IFNAME"] = interface
-    if use_gpu:
-        env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1"
-    else:
+    if not use_gpu:
         # Accelerate only picks MULTI_CPU (gloo, one process per rank) when told to use the
         # CPU; without it, Accelerator() in each worker would see a single-process run.
         env["ACCELERATE_USE_CPU"] = "true"

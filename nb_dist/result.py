@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from .errors import RankOutcome
@@ -63,3 +64,19 @@ class LaunchResult(list):  # type: ignore[type-arg]
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
         printer.text(repr(self))
+
+    @property
+    def _ipython_display_(self) -> Callable[[], None] | None:
+        """Show nothing for a cell that ends with a launch where every rank returned ``None``.
+
+        Code written for ``accelerate.notebook_launcher`` (which returns ``None``) ends cells
+        with the call; an ``Out[n]: LaunchResult([None, None])`` there is noise. IPython calls
+        this when it is callable and formats the value as usual when it is ``None``.
+        """
+        if self and all(value is None for value in self):
+            return _show_nothing
+        return None
+
+
+def _show_nothing() -> None:
+    return None

@@ -205,21 +205,54 @@ def test_max_restarts_with_multi_node_is_refused(tmp_path):
     )
 
 
-def test_c10d_rendezvous_is_refused(tmp_path):
-    """rdzv_backend='c10d' is refused, naming the static default and torchrun for elastic jobs."""
-    message = _refused(tmp_path, ValueError, rdzv_backend="c10d")
-    _assert_mentions(
-        message, "rdzv_backend='c10d'", "not supported", "Leave rdzv_backend unset", "torchrun"
-    )
+def test_c10d_rendezvous_across_machines_is_refused(tmp_path):
+    """rdzv_backend='c10d' with several nodes: refused, naming 'static' and torchrun."""
+    message = _refused(tmp_path, ValueError, rdzv_backend="c10d", num_nodes=2, use_port=29500)
+    _assert_mentions(message, "rdzv_backend='c10d'", "num_nodes=2", "'static'", "torchrun")
     assert "--rdzv-backend=c10d" in message
 
 
-def test_rdzv_conf_is_refused(tmp_path):
-    """A non-empty rdzv_conf is refused, suggesting timeout= instead."""
-    message = _refused(tmp_path, ValueError, rdzv_conf={"join_timeout": 900})
-    _assert_mentions(
-        message, "rdzv_conf={'join_timeout': 900}", "not supported", "Leave it unset", "timeout="
-    )
+def test_unknown_rendezvous_backend_is_refused(tmp_path):
+    message = _refused(tmp_path, ValueError, rdzv_backend="etcd")
+    _assert_mentions(message, "rdzv_backend='etcd'", "not supported", "'static'", "'c10d'")
+
+
+@pytest.mark.timeout(60)
+def test_c10d_rendezvous_on_one_machine_runs():
+    """On one machine c10d gives the same ranks as static: accepted, as Accelerate accepts it."""
+    assert notebook_launcher(_allreduce_sum, num_processes=2, rdzv_backend="c10d") == [3.0, 3.0]
+
+
+def test_rdzv_conf_that_is_not_a_dict_is_refused(tmp_path):
+    message = _refused(tmp_path, TypeError, rdzv_conf="timeout=60")
+    _assert_mentions(message, "rdzv_conf='timeout=60'", "must be a dict", "{'timeout': 60}")
+
+
+def test_rdzv_conf_timeout_must_be_seconds(tmp_path):
+    message = _refused(tmp_path, ValueError, rdzv_conf={"timeout": -1})
+    _assert_mentions(message, "rdzv_conf['timeout']=-1", "positive number of seconds")
+
+
+def _only_rank0_joins():
+    if int(os.environ["RANK"]) == 0:
+        dist.init_process_group("gloo")
+    else:
+        import threading
+
+        threading.Event().wait()
+
+
+@pytest.mark.timeout(60)
+def test_rdzv_conf_timeout_sets_the_rendezvous_timeout(capfd):
+    """Accelerate's rdzv_conf={'timeout': N} maps onto rendezvous_timeout; other keys are
+    ignored with a one-line notice."""
+    with pytest.raises(nb_dist.RendezvousTimeoutError) as info:
+        notebook_launcher(
+            _only_rank0_joins, num_processes=2, rdzv_conf={"timeout": 1.5, "read_timeout": 5}
+        )
+    assert "rendezvous_timeout=1.5 s" in str(info.value)
+    err = capfd.readouterr().err
+    assert "[nb_dist] rdzv_conf keys read_timeout configure torchrun's elastic agent" in err
 
 
 @pytest.mark.parametrize("endpoint", ["10.0.0.1", "10.0.0.1:port", "10.0.0.1:99999"])
