@@ -7,6 +7,7 @@ size it asked for); these functions turn them into the sentences a learner reads
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,6 +32,27 @@ def distributed_call(frames: Sequence[Frame]) -> str | None:
         if filename.endswith(_DDP_FILE):
             return f"DistributedDataParallel.{name}"
     return None
+
+
+_TRACEBACK_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<name>\S+)')
+
+
+def distributed_call_in_traceback(text: str) -> str | None:
+    """:func:`distributed_call` for a formatted traceback (most recent call last)."""
+    frames = [(m["file"], int(m["line"]), m["name"]) for m in _TRACEBACK_FRAME.finditer(text)]
+    return distributed_call(frames)
+
+
+def skipped_collective_head(rank: int, call: str | None, finished: Sequence[int]) -> str:
+    """The first sentence of a failure caused by a collective that other ranks skipped."""
+    who = f"rank {finished[0]} had" if len(finished) == 1 else f"ranks {list(finished)} had"
+    what = f"a collective ({call})" if call else "a collective"
+    return (
+        f"rank {rank} failed first: it was waiting in {what} while {who} already returned "
+        "from the function, so the connection closed under it. This is how a collective that "
+        "some ranks skip (or call fewer times) ends. Make every rank call the same "
+        "collectives, the same number of times."
+    )
 
 
 def is_rendezvous(call: str | None) -> bool:

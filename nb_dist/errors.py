@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import time
+import types
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,7 +82,54 @@ class RankOutcome:
         return f"rank {self.rank}: failed: {what}{how}"
 
 
-class LaunchError(RuntimeError):
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
+    """``tb`` without the frames of nb_dist itself: it ends at the user's call."""
+    kept = []
+    while tb is not None:
+        if not os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_PACKAGE_DIR):
+            kept.append(tb)
+        tb = tb.tb_next
+    chain = None
+    for entry in reversed(kept):
+        chain = types.TracebackType(chain, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
+    return chain
+
+
+class _EndsAtTheCall:
+    """IPython renders these exceptions' tracebacks without nb_dist's own frames.
+
+    IPython always shows the frame an exception was raised in, even one marked
+    ``__tracebackhide__``, so a launch error would end inside the package. Exceptions may
+    render their own traceback (``_render_traceback_``, as ipyparallel's remote errors do):
+    these render IPython's usual one, ending at the user's ``notebook_launcher(...)`` line.
+    ``__traceback__`` itself is untouched.
+    """
+
+    def _render_traceback_(self) -> list[str]:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+        assert isinstance(self, BaseException) and shell is not None
+        frames = _user_frames(self.__traceback__)
+        return list(shell.InteractiveTB.structured_traceback(type(self), self, frames))
+
+
+class LaunchInterrupted(_EndsAtTheCall, KeyboardInterrupt):
+    """The kernel was interrupted during a launch, and every rank was stopped.
+
+    A ``KeyboardInterrupt``, named so in the cell (IPython shows the class name), whose
+    traceback ends at the user's call. Raised only in IPython; elsewhere a plain
+    ``KeyboardInterrupt`` is raised.
+    """
+
+
+LaunchInterrupted.__name__ = LaunchInterrupted.__qualname__ = "KeyboardInterrupt"
+
+
+class LaunchError(_EndsAtTheCall, RuntimeError):
     """Base class of every error the launcher raises about a launch."""
 
     #: Values reported with ``nb_dist.report`` before the failure (a ``Reports``), if any.

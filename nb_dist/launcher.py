@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import _openmp, ports, preflight
-from .errors import LaunchTimeoutError, UnsafeLaunchError, WorkerFailedError
+from .errors import LaunchInterrupted, LaunchTimeoutError, UnsafeLaunchError, WorkerFailedError
 from .output import DEFAULT_PREFIX, OUTPUT_MODES, OutputRouter
 from .precision import normalize_mixed_precision
 from .result import LaunchResult
@@ -279,11 +279,9 @@ def notebook_launcher(
         except KeyboardInterrupt:
             if live_view is not None:
                 live_view.close(interrupted=True)
-            # A fresh exception without the context: the cell shows the user's call and this
-            # line, not the supervisor's select loop the interrupt happened to land in.
-            raise KeyboardInterrupt(
-                f"the launch was interrupted; all {nprocs} ranks were stopped"
-            ) from None
+            # A fresh exception without the context: the cell shows the user's call, not the
+            # supervisor's select loop the interrupt happened to land in.
+            raise _interrupted(nprocs) from None
         except (WorkerFailedError, LaunchTimeoutError) as failure:
             if live_view is not None:
                 live_view.close(failure.outcomes)
@@ -363,6 +361,15 @@ def _read_rdzv_conf(conf: object) -> tuple[float | None, list[str]]:
             "ignored here; 'timeout'/'join_timeout' set rendezvous_timeout."
         )
     return timeout, notices
+
+
+def _interrupted(nprocs: int) -> KeyboardInterrupt:
+    text = f"the launch was interrupted; all {nprocs} ranks were stopped"
+    try:
+        from IPython import get_ipython
+    except ImportError:  # pragma: no cover - IPython comes with ipykernel
+        return KeyboardInterrupt(text)
+    return LaunchInterrupted(text) if get_ipython() is not None else KeyboardInterrupt(text)
 
 
 def _rendezvous_address(

@@ -842,7 +842,16 @@ def _last_output(log: str) -> list[str]:
 
 
 def _failure_message(root: RankOutcome, outcomes: list[RankOutcome], root_log: str) -> str:
-    if root.exc_type:
+    # "returned" counts ranks whose value had not arrived yet: they were tearing down.
+    finished = [o.rank for o in outcomes if o is not root and (o.status == "ok" or o.returned_at)]
+    skipped = _looks_collateral(root) and bool(finished)
+    if skipped:
+        # Lead with the diagnosis; the backend's raw text (gloo's "Connection closed by peer"
+        # with its source path) follows as the detail it is.
+        call = _diagnosis.distributed_call_in_traceback(root.traceback or "")
+        head = _diagnosis.skipped_collective_head(root.rank, call, finished)
+        head += f"\n\nThe error rank {root.rank} got: {root.exc_type}: {root.message}"
+    elif root.exc_type:
         head = f"rank {root.rank} failed first: {root.exc_type}: {root.message}"
     else:
         head = f"rank {root.rank} failed first: {root.message}"
@@ -856,15 +865,6 @@ def _failure_message(root: RankOutcome, outcomes: list[RankOutcome], root_log: s
     elif root_log.strip():
         tail = _last_output(root_log)
         parts.append(f"\nLast output of rank {root.rank}:\n" + "\n".join(tail))
-    # "returned" counts ranks whose value had not arrived yet: they were tearing down.
-    finished = [o.rank for o in outcomes if o is not root and (o.status == "ok" or o.returned_at)]
-    if _looks_collateral(root) and finished:
-        who = f"rank {finished[0]} had" if len(finished) == 1 else f"ranks {finished} had"
-        parts.append(
-            f"\nRank {root.rank} lost its connection while {who} already returned from "
-            "the function: this is how a collective that some ranks skip (or call fewer "
-            "times) ends. Make every rank call the same collectives, the same number of times."
-        )
     others = [o for o in outcomes if o is not root]
     if others:
         parts.append("\nThe other ranks:\n" + "\n".join(o.describe() for o in others))
