@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import _openmp, ports, preflight
+from . import _openmp, _warm, ports, preflight
 from .errors import LaunchInterrupted, LaunchTimeoutError, UnsafeLaunchError, WorkerFailedError
 from .output import DEFAULT_PREFIX, OUTPUT_MODES, OutputRouter
 from .precision import normalize_mixed_precision
@@ -55,6 +55,7 @@ def notebook_launcher(
     hang_notice_after: float | None = 30.0,
     monitor: bool = False,
     rendezvous_timeout: float | str | None = "auto",
+    warm_imports: bool = True,
 ) -> LaunchResult:
     """Run ``function(*args)`` on ``num_processes`` workers and return every rank's value.
 
@@ -109,6 +110,11 @@ def notebook_launcher(
             and where every rank is (:class:`~nb_dist.RendezvousTimeoutError`). ``"auto"``:
             20 s on one machine, 300 s with ``num_nodes > 1`` (the other machines' cells may
             start later). ``None``: wait as long as torch does (30 minutes).
+        warm_imports: after a fork launch, import in the kernel (in the background) the
+            torch modules its workers had to import, so that later launches inherit them: a
+            re-run DDP cell then starts in a fraction of a second instead of re-importing
+            ``torch._dynamo`` in every worker. Costs the kernel the modules' memory (about
+            70 MB for DDP). ``False`` or ``NB_DIST_WARM_IMPORTS=0`` turns it off.
         monitor: show a live per-rank dashboard (status, time, progress bars from
             :func:`nb_dist.progress`, last output, curves of reported scalars) in the cell.
             Only in a Jupyter kernel; the labelled text output is printed either way.
@@ -127,6 +133,8 @@ def notebook_launcher(
     __tracebackhide__ = True
     began = time.monotonic()
     preflight.check_not_nested()
+    # Every fork below (probes, workers) waits for a background import to finish first.
+    _warm.wait()
     preflight.check_function(function)
     call_args = preflight.check_args(args)
     mixed = normalize_mixed_precision(mixed_precision)
@@ -140,6 +148,8 @@ def notebook_launcher(
     master_addr, port = _rendezvous_address(rdzv_endpoint, master_addr, use_port)
     _check_rdzv_backend(rdzv_backend, num_nodes)
     conf_timeout, notices = _read_rdzv_conf(rdzv_conf)
+    warm_notice = _warm.take_notice()
+    notices += [warm_notice] if warm_notice else []
     if conf_timeout is not None and rendezvous_timeout == "auto":
         rendezvous_timeout = conf_timeout
     if num_nodes > 1 and port is None:
@@ -165,6 +175,9 @@ def notebook_launcher(
         preflight.check_positive_int(
             "threads_per_process", threads_per_process, "Or leave it unset for cores / workers."
         )
+    if not isinstance(warm_imports, bool):
+        raise TypeError(f"warm_imports={warm_imports!r} must be True or False.")
+    warm = method == "fork" and _warm.enabled(warm_imports)
     if not isinstance(init_process_group, bool):
         raise TypeError(f"init_process_group={init_process_group!r} must be True or False.")
 
@@ -221,7 +234,8 @@ def notebook_launcher(
             router.notice(text)
         notices = []
         if method == "fork" and attempt:
-            _openmp.release_pool()  # a restart forks again: the kernel may have a pool again
+            _warm.wait()  # a restart forks again: no half-imported module may be copied
+            _openmp.release_pool()  # and the kernel may have an OpenMP pool again
         store = None
         error_dir = tempfile.mkdtemp(prefix="nb_dist_errors_")
         if node_rank == 0:
@@ -266,6 +280,7 @@ def notebook_launcher(
                 hang_notice_after=hang_after,
                 poll_interval=poll,
                 rendezvous_timeout=rdzv_timeout,
+                report_imports=warm,
                 payload=payload,
                 linecache_entries=_cell_sources() if payload is not None else {},
                 observer=live_view,
@@ -275,6 +290,8 @@ def notebook_launcher(
                 outcome = supervisor.run()
             finally:
                 router.finish()
+                if warm:
+                    _warm.schedule(supervisor.imports)
                 ports.started_worker_pids.update(w.pid for w in supervisor.workers if w.pid)
         except KeyboardInterrupt:
             if live_view is not None:

@@ -182,6 +182,11 @@ def install_cuda_touch_recorder() -> None:
     torch._C._nb_dist_recorder = True
 
 
+def cuda_touched() -> bool:
+    """Whether anything in this process has counted or initialized CUDA devices yet."""
+    return _first_cuda_touch is not None
+
+
 @dataclass
 class CudaState:
     gpus: int

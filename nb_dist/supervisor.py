@@ -70,6 +70,7 @@ class AttemptConfig:
     hang_notice_after: float | None
     poll_interval: float
     rendezvous_timeout: float | None = None
+    report_imports: bool = False
     payload: bytes | None = None
     linecache_entries: dict[str, Any] = field(default_factory=dict)
     observer: Any = None  # a live view (the launch monitor), see nb_dist/monitor.py
@@ -134,6 +135,8 @@ class Supervisor:
         self._rdzv_first: float | None = None
         self._rdzv_complete = False
         self.reports = Reports()
+        #: Modules the workers imported that the kernel lacks (see nb_dist/_warm.py).
+        self.imports: set[str] = set()
         self.observer = config.observer
 
     # ----------------------------------------------------------------- public
@@ -208,6 +211,7 @@ class Supervisor:
             linecache_entries=cfg.linecache_entries,
             sys_path=list(sys.path) if cfg.payload is not None else [],
             close_fds=kernel_fds,
+            report_imports=cfg.report_imports,
         )
         if cfg.start_method == "fork":
             worker.pid = _fork(spec, channels)
@@ -314,6 +318,8 @@ class Supervisor:
                 self.observer.started(worker.local_rank)
         elif tag == "returned":
             worker.outcome.returned_at = message[1]
+        elif tag == "imports":
+            self.imports.update(message[1])
         elif tag == "rendezvous":
             _, stage, when, world_size, endpoint = message
             if stage == "enter":

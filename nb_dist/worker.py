@@ -57,6 +57,8 @@ class WorkerSpec:
     sys_path: list[str] = field(default_factory=list)
     # Kernel-side file descriptors a forked worker must close (other ranks' pipes, lifelines).
     close_fds: list[int] = field(default_factory=list)
+    # Tell the kernel which modules this worker imported that it lacks (see _warm.py).
+    report_imports: bool = False
 
 
 @dataclass
@@ -98,6 +100,8 @@ def run_worker(spec: WorkerSpec, channels: WorkerChannels, forked: bool) -> None
 
 
 def _run(spec: WorkerSpec, channels: WorkerChannels, forked: bool) -> int:
+    # What the kernel had: modules imported beyond these may be worth importing there (_warm).
+    kernel_modules = set(sys.modules) if forked and spec.report_imports else None
     _detach_from_kernel(spec, channels, forked)
     control = channels.control
     reporting.send_message(
@@ -125,8 +129,10 @@ def _run(spec: WorkerSpec, channels: WorkerChannels, forked: bool) -> int:
     except BaseException as exc:
         sink.close()  # reports made before the failure still reach the kernel, first
         _report_exception(control, exc, spec)
+        _report_imports(control, kernel_modules)
         return 1
     sink.close()
+    _report_imports(control, kernel_modules)
     _flush_all()
     try:
         data = _dumps_result(value)
@@ -352,6 +358,17 @@ def _report_exception(control: Connection, exc: BaseException, spec: WorkerSpec)
         reporting.send_message(
             control, ("error", _error_record(_type_name(exc), message, text, failed_at))
         )
+
+
+def _report_imports(control: Connection, kernel_modules: set[str] | None) -> None:
+    if kernel_modules is None:
+        return
+    from . import _warm
+
+    names = _warm.worth_importing(set(sys.modules) - kernel_modules)
+    if names:
+        with contextlib.suppress(OSError, EOFError):
+            reporting.send_message(control, ("imports", names))
 
 
 def _error_record(exc_type: str, message: str, text: str, failed_at: float) -> dict[str, Any]:

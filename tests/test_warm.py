@@ -1,0 +1,83 @@
+"""Warm relaunches: later launches inherit the modules earlier launches' workers imported.
+
+Each scenario runs in a fresh interpreter: whether ``torch._dynamo`` is already imported is
+exactly what is under test, and this test process may have imported it long ago.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from nb_dist._warm import MAX_NAMES, worth_importing
+
+SCRIPT = """
+import json, os, sys
+import torch, torch.nn as nn, torch.distributed as dist
+from nb_dist import notebook_launcher, _warm
+
+def ddp():
+    had = "torch._dynamo" in sys.modules      # inherited from the kernel?
+    dist.init_process_group("gloo")
+    model = nn.parallel.DistributedDataParallel(nn.Linear(4, 4))
+    model(torch.ones(2, 4)).sum().backward()
+    del model
+    return had
+
+seen = []
+for _ in range(2):
+    seen.append(notebook_launcher(ddp, num_processes=2, **KWARGS)[0])
+    _warm.wait()
+print(json.dumps({"seen": seen, "kernel": "torch._dynamo" in sys.modules,
+                  "imported": _warm.imported()}))
+"""
+
+
+def _run(kwargs: str, env: dict[str, str] | None = None) -> dict:
+    code = SCRIPT.replace("**KWARGS", kwargs or "")
+    run = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True, text=True, timeout=150, env={**os.environ, **(env or {})},
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.timeout(180)
+def test_second_launch_inherits_what_the_first_imported():
+    result = _run("")
+    assert result["seen"] == [False, True]  # the 2nd launch's workers found torch._dynamo
+    assert result["kernel"] and "torch._dynamo" in result["imported"]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    ("kwargs", "env"), [("warm_imports=False", None), ("", {"NB_DIST_WARM_IMPORTS": "0"})]
+)
+def test_opt_out(kwargs, env):
+    result = _run(kwargs, env)
+    assert result == {"seen": [False, False], "kernel": False, "imported": []}
+
+
+def test_bad_option_is_refused():
+    from nb_dist import notebook_launcher
+
+    with pytest.raises(TypeError, match=r"warm_imports='yes' must be True or False"):
+        notebook_launcher(print, num_processes=1, warm_imports="yes")
+
+
+def test_worth_importing_keeps_safe_subtree_roots():
+    new = {
+        "torch._dynamo", "torch._dynamo.eval_frame", "torch._dynamo.utils", "sympy",
+        "sympy.core", "mpmath", "decimal", "colorama", "my_project.data", "torch.fx.experimental",
+    }  # fmt: skip
+    assert worth_importing(new) == ["mpmath", "sympy", "torch._dynamo", "torch.fx.experimental"]
+    assert (
+        worth_importing(f"torch.m{i}" for i in range(200))
+        == sorted(f"torch.m{i}" for i in range(200))[:MAX_NAMES]
+    )
