@@ -15,7 +15,7 @@ from typing import Any
 
 from . import _openmp, _warm, ports, preflight
 from .errors import LaunchInterrupted, LaunchTimeoutError, UnsafeLaunchError, WorkerFailedError
-from .output import DEFAULT_PREFIX, OUTPUT_MODES, OutputRouter
+from .output import DEFAULT_PREFIX, OUTPUT_MODES, RICH_OUTPUT_MODES, OutputRouter
 from .precision import normalize_mixed_precision
 from .result import LaunchResult
 from .supervisor import AttemptConfig, Supervisor
@@ -56,6 +56,7 @@ def notebook_launcher(
     monitor: bool = False,
     rendezvous_timeout: float | str | None = "auto",
     warm_imports: bool = True,
+    rich_output: str | int | Sequence[int] = "rank0",
 ) -> LaunchResult:
     """Run ``function(*args)`` on ``num_processes`` workers and return every rank's value.
 
@@ -115,6 +116,11 @@ def notebook_launcher(
             re-run DDP cell then starts in a fraction of a second instead of re-importing
             ``torch._dynamo`` in every worker. Costs the kernel the modules' memory (about
             70 MB for DDP). ``False`` or ``NB_DIST_WARM_IMPORTS=0`` turns it off.
+        rich_output: whose ``display()`` output (HTML, images, matplotlib figures, updating
+            displays such as a ``Trainer``'s progress table) is shown rich in the cell:
+            ``"rank0"`` (default), ``"all"`` (each labelled), a rank or a list of ranks, or
+            ``"none"``. Other ranks' displays, and every display in a plain script, print
+            their text form, labelled; ``result.logs`` holds the text either way.
         monitor: show a live per-rank dashboard (status, time, progress bars from
             :func:`nb_dist.progress`, last output, curves of reported scalars) in the cell.
             Only in a Jupyter kernel; the labelled text output is printed either way.
@@ -140,6 +146,7 @@ def notebook_launcher(
     mixed = normalize_mixed_precision(mixed_precision)
     method = preflight.check_choice("start_method", start_method, preflight.START_METHODS)
     output_mode = preflight.check_choice("output", output, OUTPUT_MODES)
+    rich = _rich_output(rich_output)
     device = preflight.check_choice("device", device, preflight.DEVICES)
     num_nodes = preflight.check_positive_int(
         "num_nodes", num_nodes, "Use num_nodes=1 for a launch on this machine only."
@@ -228,7 +235,7 @@ def notebook_launcher(
 
     attempt = 0
     while True:
-        router = OutputRouter(ranks, output_mode, prefix)
+        router = OutputRouter(ranks, output_mode, prefix, rich=rich)
         router.observer = live_view
         for text in notices:
             router.notice(text)
@@ -378,6 +385,22 @@ def _read_rdzv_conf(conf: object) -> tuple[float | None, list[str]]:
             "ignored here; 'timeout'/'join_timeout' set rendezvous_timeout."
         )
     return timeout, notices
+
+
+def _rich_output(value: object) -> str | frozenset[int]:
+    if isinstance(value, str) and value.lower() in RICH_OUTPUT_MODES:
+        return value.lower()
+    ranks = [value] if isinstance(value, int) else value
+    if (
+        isinstance(ranks, (list, tuple, set, frozenset))
+        and ranks
+        and all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks)
+    ):
+        return frozenset(ranks)
+    raise ValueError(
+        f"rich_output={value!r} is not supported. Use 'rank0', 'all', 'none', a rank such as 1, "
+        "or a list of ranks such as [0, 1]."
+    )
 
 
 def _interrupted(nprocs: int) -> KeyboardInterrupt:

@@ -11,9 +11,11 @@ import codecs
 import string
 import sys
 import time
+import uuid
 from typing import Any, TextIO
 
 OUTPUT_MODES = ("all", "rank0", "grouped", "none")
+RICH_OUTPUT_MODES = ("rank0", "all", "none")
 DEFAULT_PREFIX = "[rank ${rank}] "
 
 
@@ -46,6 +48,12 @@ class LineSplitter:
         return [_visible(text)] if text else []
 
 
+def _frontend() -> Any:
+    """The IPython shell that can show rich output, or ``None`` (a plain script)."""
+    ipython = sys.modules.get("IPython")
+    return ipython.get_ipython() if ipython is not None else None
+
+
 def _visible(line: str) -> str:
     line = line.rstrip("\r")
     return line.rsplit("\r", 1)[-1]
@@ -61,8 +69,12 @@ class OutputRouter:
         prefix_template: str = DEFAULT_PREFIX,
         stdout: TextIO | None = None,
         stderr: TextIO | None = None,
+        rich: str | frozenset[int] = "rank0",
     ) -> None:
         self.mode = mode
+        # Which ranks' display() output is shown rich (HTML, images) in the cell.
+        self._rich = rich
+        self._display_ids: dict[tuple[int, str], str] = {}
         self._prefixes = [
             string.Template(prefix_template).safe_substitute(
                 rank=rank, local_rank=local, role_name="default", role="default"
@@ -73,8 +85,9 @@ class OutputRouter:
         self._stdout = stdout
         self._stderr = stderr
         self.logs: list[list[str]] = [[] for _ in ranks]
-        # "grouped": (stream, line) per rank, written rank by rank when the launch ends.
-        self._held: list[list[tuple[str, str]]] = [[] for _ in ranks]
+        # "grouped": (stream, line) per rank, written rank by rank when the launch ends; a
+        # display is held as ("display", its publish arguments).
+        self._held: list[list[tuple[str, Any]]] = [[] for _ in ranks]
         self.observer: Any = None  # a live view that also wants every line (the monitor)
 
     def _stream(self, name: str) -> TextIO:
@@ -102,6 +115,72 @@ class OutputRouter:
             out.write("".join(f"{prefix}{line}\n" for line in lines))
             out.flush()
 
+    def shows_rich(self, local_rank: int) -> bool:
+        """Whether this rank's ``display()`` output is published rich in the cell."""
+        if self._rich == "none" or self.mode == "none" or _frontend() is None:
+            return False
+        if self._rich == "all":
+            return True
+        ranks = frozenset({0}) if self._rich == "rank0" else self._rich
+        return self._ranks[local_rank] in ranks
+
+    def display(
+        self,
+        local_rank: int,
+        data: dict[str, Any],
+        metadata: dict[str, Any],
+        display_id: str | None,
+        update: bool,
+    ) -> None:
+        """A rank's ``display()``: published in the cell, or printed as text where it cannot be.
+
+        The text form always goes to the rank's log, so ``result.logs`` reads the same either
+        way, and scripts, ``nbconvert`` and ranks not shown rich get the text in the cell.
+        """
+        text = str(data.get("text/plain", "")).splitlines()
+        if not self.shows_rich(local_rank):
+            if update:  # a redraw (a progress table) would repeat the same text lines
+                self.logs[local_rank].extend(text)
+            else:
+                self.lines(local_rank, "stdout", text)
+            return
+        self.logs[local_rank].extend(text)
+        if display_id is not None:
+            key = (local_rank, str(display_id))
+            display_id = self._display_ids.setdefault(key, f"nb_dist-{uuid.uuid4().hex}")
+        args = (local_rank, data, metadata, display_id, update)
+        if self.mode == "grouped":
+            self._held[local_rank].append(("display", args))
+        else:
+            self._publish(*args)
+
+    def clear_output(self, local_rank: int, wait: bool) -> None:
+        """A rank's ``clear_output()`` (progress displays redraw with it): only rank 0's, live."""
+        if self.shows_rich(local_rank) and self._ranks[local_rank] == 0 and self.mode != "grouped":
+            from IPython.display import clear_output
+
+            for name in ("stdout", "stderr"):
+                self._stream(name).flush()
+            clear_output(wait=wait)
+
+    def _publish(
+        self,
+        local_rank: int,
+        data: dict[str, Any],
+        metadata: dict[str, Any],
+        display_id: str | None,
+        update: bool,
+    ) -> None:
+        from IPython.display import publish_display_data
+
+        for name in ("stdout", "stderr"):
+            self._stream(name).flush()  # the rank's earlier prints stay above its display
+        if self._rich != "rank0" and not update:
+            self._stream("stdout").write(f"{self._prefixes[local_rank]}(display)\n")
+            self._stream("stdout").flush()
+        transient = {"display_id": display_id} if display_id is not None else None
+        publish_display_data(data, metadata, transient=transient, update=update)
+
     def finish(self) -> None:
         """End of a launch: in ``"grouped"`` mode, write every rank's lines, rank by rank.
 
@@ -110,8 +189,11 @@ class OutputRouter:
         """
         for local, held in enumerate(self._held):
             prefix = self._prefixes[local]
-            for stream, line in held:
-                self._stream(stream).write(f"{prefix}{line}\n")
+            for stream, item in held:
+                if stream == "display":
+                    self._publish(*item)
+                else:
+                    self._stream(stream).write(f"{prefix}{item}\n")
             held.clear()
         for name in ("stdout", "stderr"):
             self._stream(name).flush()

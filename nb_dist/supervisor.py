@@ -320,6 +320,11 @@ class Supervisor:
             worker.outcome.returned_at = message[1]
         elif tag == "imports":
             self.imports.update(message[1])
+        elif tag == "display":
+            _, data, metadata, display_id, update = message
+            self.router.display(worker.local_rank, data, metadata, display_id, update)
+        elif tag == "clear_output":
+            self.router.clear_output(worker.local_rank, message[1])
         elif tag == "rendezvous":
             _, stage, when, world_size, endpoint = message
             if stage == "enter":

@@ -108,6 +108,8 @@ def _run(spec: WorkerSpec, channels: WorkerChannels, forked: bool) -> int:
         control, ("hello", os.getpid(), threading.main_thread().ident, time.monotonic())
     )
     sink = reporting.install_sink(control, spec.rank)
+    if forked:
+        _forward_display(sink.send)
     _wait_for_gate(channels.gate)
 
     started = time.monotonic()
@@ -299,6 +301,42 @@ def _silence_inherited_display() -> None:
             print(text)
 
     publisher.publish = publish
+
+
+def _forward_display(send: Callable[[tuple[Any, ...]], None]) -> None:
+    """Send ``display()`` output (HTML, images, figures, updates) to the kernel to show.
+
+    The worker's copy of the kernel's shell formats objects as usual (``_repr_html_``,
+    matplotlib's inline backend, ``display_id`` handles); only the publishing step, which
+    would write to the kernel's iopub socket, is replaced by a message to the kernel, which
+    publishes the bundle in the launching cell (or prints its text where no frontend is).
+    """
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    publisher = getattr(shell, "display_pub", None)
+    if publisher is None:
+        return
+
+    def publish(
+        data: dict[str, Any],
+        metadata: dict[str, Any] | None = None,
+        source: Any = None,
+        *,
+        transient: dict[str, Any] | None = None,
+        update: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        _flush_all()  # what was printed before the display arrives before it
+        display_id = (transient or {}).get("display_id")
+        with contextlib.suppress(OSError, EOFError):
+            send(("display", dict(data), dict(metadata or {}), display_id, bool(update)))
+
+    def clear_output(wait: bool = False) -> None:
+        with contextlib.suppress(OSError, EOFError):
+            send(("clear_output", bool(wait)))
+
+    publisher.publish = publish
+    publisher.clear_output = clear_output
 
 
 def _load_function(spec: WorkerSpec) -> tuple[Callable[..., Any], tuple[Any, ...]]:
