@@ -65,9 +65,7 @@ def main() -> None:
         "shard_explorer.png": nb_dist.ShardExplorer(
             dataset_len=10, world_size=3, batch_size=2, shuffle=True, seed=0
         ).figure(),
-        "allreduce_stepper.png": nb_dist.AllReduceStepper(
-            [[1, 2, 3], [2, 3, 4], [3, 4, 5], [4, 5, 6]]
-        ).figure(step=3),
+        "allreduce_stepper.png": nb_dist.AllReduceStepper().figure(step=3),
         "gradient_view.png": nb_dist.GradientView(result.reports).figure(),
         "precision_explorer.png": nb_dist.PrecisionExplorer(65000.0, 2.0).figure(),
         "loss_scale.png": nb_dist.LossScaleView(grad_scaler_trace()).figure(),

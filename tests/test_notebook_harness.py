@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 BROKEN = Path(__file__).parent / "broken_notebooks" / "forgot_set_epoch.ipynb"
+WRONG_PREDICTION = Path(__file__).parent / "broken_notebooks" / "wrong_prediction.ipynb"
 
 
 def _nbval(notebook: Path) -> subprocess.CompletedProcess[str]:
@@ -51,3 +53,32 @@ def test_nbval_passes_once_set_epoch_is_called(tmp_path):
     notebook.write_text(BROKEN.read_text().replace("SET_EPOCH = False", "SET_EPOCH = True"))
     run = _nbval(notebook)
     assert run.returncode == 0, run.stdout
+
+
+@pytest.mark.timeout(180)
+def test_nbval_fails_at_the_checking_cell_of_a_wrong_prediction(tmp_path):
+    """A wrong exercise answer fails nbval at the checking cell, and the hint is shown."""
+    notebook = tmp_path / WRONG_PREDICTION.name
+    shutil.copy(WRONG_PREDICTION, notebook)
+    run = _nbval(notebook)
+    report = re.sub(r"\x1b\[[0-9;]*m", "", run.stdout)  # IPython colours the traceback
+    assert run.returncode != 0, report
+    assert "1 failed, 2 passed" in report, report
+    failed_cell = report.split("Input:")[1].split("Traceback:")[0]
+    assert "check(answer, truth" in failed_cell, report  # it is the checking cell that fails
+    assert "AssertionError: not quite: you said [2, 5, 8, 0], the code gives [2, 5, 8, 1]. " in (
+        report
+    )
+    assert "Hint: the sampler pads 10 indices to 12" in report, report
+
+
+@pytest.mark.timeout(180)
+def test_nbval_passes_with_the_right_prediction(tmp_path):
+    """Positive control: with the right answer nbval passes, comparing its 'right:' output."""
+    notebook = tmp_path / WRONG_PREDICTION.name
+    notebook.write_text(
+        WRONG_PREDICTION.read_text().replace("answer = [2, 5, 8, 0]", "answer = [2, 5, 8, 1]")
+    )
+    run = _nbval(notebook)
+    assert run.returncode == 0, run.stdout
+    assert "3 passed" in run.stdout, run.stdout

@@ -225,13 +225,59 @@ def test_consumed_view_of_sampler_output_finds_exactly_the_padding():
     assert view.never_seen() == []
 
 
-def test_consumed_view_bins_long_datasets():
-    """Long datasets are drawn as bins (mean times consumed), and every sample is counted."""
+def test_consumed_view_long_datasets_are_drawn_as_pixels():
+    """Long datasets become one pixel per sample (no numbers), and every sample is counted."""
     view = ConsumedView({0: list(range(0, 900, 2)), 1: [*range(1, 900, 2), 0]}, 901)
     assert view.never_seen() == [900] and view.duplicates() == {0: [0, 1]}
     fig = view.figure()
-    assert "bins of 3" in fig.axes[0].get_ylabel()
+    assert fig.axes[0].images[0].get_array().shape[:2] == (1, 901)
+    assert not fig.axes[0].texts
     fig.savefig(io.BytesIO(), format="png", dpi=30)
+
+
+def _two_epochs(set_epoch):
+    """{rank: {epoch: indices}} from the real sampler, 12 samples on 2 ranks."""
+    return {
+        rank: {
+            epoch: direct_sampler(12, 2, rank, shuffle=True, epoch=epoch if set_epoch else None)
+            for epoch in (0, 1)
+        }
+        for rank in (0, 1)
+    }
+
+
+def test_consumed_view_per_epoch_counts_duplicates_within_an_epoch_only():
+    """Two normal epochs consume every sample twice: that is not a duplicate."""
+    for set_epoch in (False, True):
+        view = consumed_view(_two_epochs(set_epoch), 12)
+        assert view.per_epoch and view.epochs == [0, 1]
+        assert view.counts() == {i: 2 for i in range(12)}
+        assert view.duplicates() == {} and view.never_seen() == []
+        assert "duplicates in one epoch: none" in repr(view)
+    broken = consumed_view({0: {0: [0, 1], 1: [0, 2]}, 1: {0: [2, 3], 1: [0, 3]}}, 4)
+    assert broken.duplicates() == {0: [0, 1]} and broken.never_seen() == [1]
+
+
+def test_consumed_view_contrasts_set_epoch_with_repeating_epoch_zero():
+    """Without set_epoch epoch 1 repeats epoch 0; with it the order changes and samples move."""
+    without, with_ = consumed_view(_two_epochs(False), 12), consumed_view(_two_epochs(True), 12)
+    assert without.repeats_first_epoch() == [1] and without.moved(1) == []
+    assert "epoch 1 repeats epoch 0: same samples on the same ranks, in the same order" in (
+        repr(without)
+    )
+    assert with_.repeats_first_epoch() == [] and with_.moved(1)
+    assert f"epoch 1: a new order; {len(with_.moved(1))} of 12 samples on another rank" in (
+        repr(with_)
+    )
+    # The grid: one row per epoch, one cell per sample; each cell's number is its position
+    # in the rank's order, so identical rows mean an identical epoch.
+    for view, same_rows in ((without, True), (with_, False)):
+        ax = view.figure().axes[0]
+        assert [t.get_text() for t in ax.get_yticklabels()] == ["epoch 0", "epoch 1"]
+        numbers = [t.get_text() for t in ax.texts]
+        assert len(numbers) == 24
+        assert (numbers[:12] == numbers[12:]) is same_rows
+        assert "repeats epoch 0" in ax.get_title() if same_rows else "changes" in ax.get_title()
 
 
 # ---------------------------------------------------------------- ring all-reduce
@@ -314,6 +360,17 @@ def test_chunk_bounds_match_torch_tensor_split():
             assert sizes == [len(c) for c in torch.tensor_split(torch.arange(length), n)]
 
 
+def test_stepper_default_has_no_empty_chunk():
+    """The default buffers (8 elements on 4 ranks) give every chunk 2 elements, none empty."""
+    view = AllReduceStepper()
+    assert view.world_size == 4 and len(view.initial[0]) == 8
+    assert [b - a for a, b in chunk_bounds(8, 4)] == [2, 2, 2, 2]
+    for step in view.steps:  # every message carries data
+        assert all(nbytes == 8 for _src, _dst, _chunk, nbytes in step.sends)
+    assert view.go_to(view.num_steps).buffers() == [list(range(10, 39, 4))] * 4
+    assert "chunks=[2, 2, 2, 2]" in repr(view)
+
+
 def test_stepper_controls_step_next_reset_and_op():
     """The step slider, Step and Reset buttons and the op toggle drive the model and summary."""
     view = AllReduceStepper()
@@ -323,8 +380,8 @@ def test_stepper_controls_step_next_reset_and_op():
     assert view.step == 3
     text = repr(view)
     assert "step 3/6: reduce-scatter 3/3" in text
-    assert "rank 3 -> rank 0: chunk 1 (4 B)" in text
-    assert "rank 0: [1] [14]* [14] []" in text
+    assert "rank 3 -> rank 0: chunk 1 (8 B)" in text
+    assert "rank 0: [1, 2] [18, 22]* [20, 23] [17, 19]" in text
     view.controls["next"].click()
     assert view.step == 4 and view.controls["step"].value == 4
     assert view.controls["play"].value == 4
@@ -333,11 +390,28 @@ def test_stepper_controls_step_next_reset_and_op():
     view.controls["op"].value = "avg"
     assert view.num_steps == 7 and view.controls["step"].max == 7
     view.controls["step"].value = 7
-    assert view.buffers() == [[2.5, 3.5, 4.5]] * 4
+    assert view.buffers() == [[2.5, 3.5, 4.5, 5.5, 6.5, 7.5, 8.5, 9.5]] * 4
     assert "step 7/7: divide by N=4 on every rank (op='avg')" in repr(view)
-    assert "total per rank: 16..20 B, about 2(N-1)/N x 12 B = 18 B; naive all-to-all: 36 B" in (
+    assert "total per rank: 48 B, about 2(N-1)/N x 32 B = 48 B; naive all-to-all: 96 B" in (
         repr(view)
     )
+
+
+def test_stepper_figure_stripes_one_rectangle_per_contributor():
+    """Each chunk's band has one stripe per rank it sums: N stripes once complete."""
+    from matplotlib.patches import Rectangle
+
+    view = AllReduceStepper()
+
+    def stripes(step):
+        ring_ax = view.figure(step=step).axes[0]
+        return [p for p in ring_ax.patches if isinstance(p, Rectangle) and p.get_fill()]
+
+    # 4 ranks x 4 chunks: one stripe each at step 0; after reduce-scatter 3 chunks of each
+    # rank sum 1..3 ranks and one sums all 4 (1+2+3+4 = 10 stripes per rank).
+    assert len(stripes(0)) == 16
+    assert len(stripes(3)) == 4 * (1 + 2 + 3 + 4)
+    assert len(stripes(view.num_steps)) == 4 * 4 * 4
 
 
 def test_stepper_uses_tensor_itemsize_and_validates_input():
@@ -492,6 +566,24 @@ def test_loss_scale_view_from_a_real_grad_scaler():
     )
     with pytest.raises(ValueError, match="trace is empty"):
         LossScaleView([])
+
+
+def test_loss_panel_uses_log_scale_marks_skips_and_explains_an_early_rise():
+    """A loss falling 100x gets a log axis; skipped steps and an early rise are marked."""
+    trace = [(s, 65536.0 / (2 if s >= 2 else 1), s in (0, 2)) for s in range(12)]
+    rising = [10.0, 14.0, 17.0, 8.0, 5.0, 2.0, 1.0, 0.5, 0.3, 0.2, 0.15, 0.1]
+    view = LossScaleView(trace, fp16_loss=rising, bf16_loss=[1.0] * 12)
+    assert view.early_rise() == (2, 17.0)
+    assert repr(view).endswith("early rise: the loss goes up to 17 at step 2, then falls")
+    loss_ax = view.figure().axes[1]
+    assert loss_ax.get_yscale() == "log" and "log" in loss_ax.get_ylabel()
+    assert [t.get_text() for t in loss_ax.texts] == ["early rise (step 2)"]
+    skipped_lines = [line for line in loss_ax.lines if line.get_linestyle() == ":"]
+    assert [line.get_xdata()[0] for line in skipped_lines] == [0, 2]
+    # A flat loss: linear axis, no rise, nothing added to the summary.
+    flat = LossScaleView(trace, bf16_loss=[1.0, 0.9, 0.8, 0.7])
+    assert flat.early_rise("bf16") is None and "early rise" not in repr(flat)
+    assert flat.figure().axes[1].get_yscale() == "linear"
 
 
 # ---------------------------------------------------------------- shared view behaviour

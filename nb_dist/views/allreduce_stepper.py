@@ -36,6 +36,9 @@ REDUCE_SCATTER = "reduce-scatter"
 ALL_GATHER = "all-gather"
 DIVIDE = "divide"
 
+#: 8 elements on 4 ranks: every one of the 4 chunks holds 2 elements, none is empty.
+DEFAULT_BUFFERS = [[rank + 1 + i for i in range(8)] for rank in range(4)]
+
 
 @dataclass(frozen=True)
 class RingStep:
@@ -190,9 +193,9 @@ class AllReduceStepper(_WidgetView):
     """Step through a ring all-reduce of ``N`` ranks' buffers.
 
     Args:
-        buffers: one equal-length 1-D buffer per rank (2 to 8 ranks). Default: the 4-rank
-            example ``[1,2,3], [2,3,4], [3,4,5], [4,5,6]`` (sum ``[10,14,18]``, average
-            ``[2.5,3.5,4.5]``).
+        buffers: one equal-length 1-D buffer per rank (2 to 8 ranks). Default: 8 elements on
+            4 ranks, rank ``r`` holding ``[r+1, ..., r+8]``, so every chunk has 2 elements (sum
+            ``[10, 14, ..., 38]``). With fewer elements than ranks some chunks are empty.
         op (`str`): ``"sum"`` or ``"avg"`` (sum, then divide by ``N``).
         itemsize (`int`, *optional*): bytes per element (default: tensor element size, else 4).
         step (`int`): the step shown first (0 = before anything is sent).
@@ -213,7 +216,7 @@ class AllReduceStepper(_WidgetView):
     ) -> None:
         super().__init__()
         if buffers is None:
-            buffers = [[1, 2, 3], [2, 3, 4], [3, 4, 5], [4, 5, 6]]
+            buffers = DEFAULT_BUFFERS
         self.initial, tensor_itemsize = _as_lists(buffers)
         _check_buffers(self.initial)
         self.itemsize = itemsize or tensor_itemsize or 4
@@ -356,8 +359,12 @@ class AllReduceStepper(_WidgetView):
         ring_ax, bytes_ax = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1.5, 1]})
 
         # Chunks of a fixed size; the ring grows so that neighbouring buffers never overlap.
-        cw, ch = (0.15 if n <= 4 else 0.2), 0.16
-        radius = max(1.0, (n * cw + 0.3) / (2 * math.sin(math.pi / n)))
+        # A chunk is a white box with its values on top and, below them, a band split left to
+        # right into one stripe per rank whose data it sums (one stripe: the rank's own data;
+        # N stripes: complete, labelled "all").
+        cw, ch = (0.4 if n <= 4 else 0.3), 0.3
+        band = 0.45 * ch
+        radius = max(1.0, (n * cw + 0.45) / (2 * math.sin(math.pi / n)))
         centers = [
             (radius * math.sin(2 * math.pi * r / n), radius * math.cos(2 * math.pi * r / n))
             for r in range(n)
@@ -365,38 +372,50 @@ class AllReduceStepper(_WidgetView):
         sends = self.steps[step - 1].sends if step else []
         sent_chunks = {(src, chunk) for src, _dst, chunk, _b in sends}
         for rank, (x, y) in enumerate(centers):
-            left = x - n * cw / 2
+            left, bottom = x - n * cw / 2, y - ch / 2
             for c in range(n):
                 who = contributors[rank][c]
                 for k, contributor in enumerate(who):  # one stripe per summed rank
                     ring_ax.add_patch(
                         Rectangle(
-                            (left + c * cw, y - ch / 2 + k * ch / len(who)),
-                            cw,
-                            ch / len(who),
+                            (left + c * cw + k * cw / len(who), bottom),
+                            cw / len(who),
+                            band,
                             facecolor=rank_color(contributor),
-                            edgecolor="none",
+                            edgecolor="#FFFFFF",
+                            linewidth=0.8,
                         )
                     )
-                edge = "#000000" if (rank, c) in sent_chunks else "#888888"
+                sent = (rank, c) in sent_chunks
                 ring_ax.add_patch(
                     Rectangle(
-                        (left + c * cw, y - ch / 2),
+                        (left + c * cw, bottom),
                         cw,
                         ch,
                         fill=False,
-                        edgecolor=edge,
-                        linewidth=2.2 if (rank, c) in sent_chunks else 0.6,
+                        edgecolor="#000000" if sent else "#888888",
+                        linewidth=2.4 if sent else 0.6,
                     )
                 )
-                a, b = bounds[c]
+                start, stop = bounds[c]
+                complete = len(who) == n
                 ring_ax.text(
                     left + (c + 0.5) * cw,
-                    y - ch / 2 - 0.05,
-                    _chunk_label(buffers[rank][a:b], "\n"),
+                    bottom + band + (ch - band) / 2,
+                    _chunk_label(buffers[rank][start:stop], limit=2),
+                    ha="center",
+                    va="center",
+                    fontsize=8,
+                    fontweight="bold" if complete else "normal",
+                )
+                ring_ax.text(
+                    left + (c + 0.5) * cw,
+                    bottom - 0.03,
+                    "all" if complete else "+".join(str(r) for r in who),
                     ha="center",
                     va="top",
                     fontsize=6.5,
+                    color="#444444",
                 )
             ring_ax.text(
                 x,
@@ -417,8 +436,8 @@ class AllReduceStepper(_WidgetView):
                     connectionstyle="arc3,rad=-0.25",
                     arrowstyle="-|>",
                     mutation_scale=14,
-                    shrinkA=30,
-                    shrinkB=30,
+                    shrinkA=42,
+                    shrinkB=42,
                     color=rank_color(src),
                     linewidth=1.8,
                 )
@@ -436,7 +455,8 @@ class AllReduceStepper(_WidgetView):
         ring_ax.text(
             0,
             -radius - 0.6,
-            "stripes: the ranks whose data a chunk sums; thick outline: chunk sent in this step",
+            "stripes and the label below a chunk: the ranks whose data it sums ('all': "
+            "complete); thick outline: chunk sent in this step",
             ha="center",
             fontsize=7.5,
             color="#444444",

@@ -573,6 +573,20 @@ class LossScaleView(_StaticView):
     def final_scale(self) -> float:
         return self.trace[-1][1]
 
+    def early_rise(self, name: str = "fp16") -> tuple[int, float] | None:
+        """``(step, loss)`` of the peak if the loss first *rises* above its first value.
+
+        Only the first quarter of the steps is searched, and only a peak 10% above the first
+        loss counts. A per-batch loss often does this when the first steps meet harder batches
+        than the first one; the figure marks it so that it is explained, not overlooked.
+        """
+        points = self.fp16_loss if name == "fp16" else self.bf16_loss
+        if len(points) < 4:
+            return None
+        head = points[: max(2, len(points) // 4)]
+        step, peak = max(head, key=lambda point: point[1])
+        return (step, peak) if peak > 1.1 * points[0][1] and step > points[0][0] else None
+
     def summary(self) -> str:
         skipped = self.skipped_steps()
         first, last = self.trace[0][1], self.trace[-1][1]
@@ -595,6 +609,11 @@ class LossScaleView(_StaticView):
                     f"{name} loss: {_g(points[0][1], 4)} -> {_g(points[-1][1], 4)} "
                     f"over {len(points)} steps"
                 )
+        rise = self.early_rise("fp16" if self.fp16_loss else "bf16")
+        if rise:
+            lines.append(
+                f"early rise: the loss goes up to {_g(rise[1], 4)} at step {rise[0]}, then falls"
+            )
         return "\n".join(lines)
 
     def figure(self) -> Any:
@@ -637,10 +656,33 @@ class LossScaleView(_StaticView):
                     lax.plot(
                         [s for s, _ in points], [v for _, v in points], color=color, label=name
                     )
+            for k, (s, _c) in enumerate(skipped):
+                lax.axvline(
+                    s,
+                    color="#D55E00",
+                    linestyle=":",
+                    linewidth=1,
+                    label="skipped step" if k == 0 else None,
+                )
+            values = [v for points in (self.fp16_loss, self.bf16_loss) for _s, v in points]
+            # A loss that falls by orders of magnitude reads better on a log axis.
+            log = min(values) > 0 and max(values) / min(values) > 20
+            if log:
+                lax.set_yscale("log")
+            rise = self.early_rise("fp16" if self.fp16_loss else "bf16")
+            if rise:
+                lax.annotate(
+                    f"early rise (step {rise[0]})",
+                    xy=rise,
+                    xytext=(0.35, 0.85),
+                    textcoords="axes fraction",
+                    fontsize=8,
+                    arrowprops={"arrowstyle": "->", "color": "#444444"},
+                )
             lax.set_xlabel("step")
             lax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            lax.set_ylabel("loss")
+            lax.set_ylabel("loss (log scale)" if log else "loss")
             lax.legend(fontsize=8)
-            lax.set_title("Loss", fontsize=10)
+            lax.set_title("Loss per step (each step's own batch)", fontsize=10)
         fig.suptitle("Loss scaling with torch.amp.GradScaler")
         return fig

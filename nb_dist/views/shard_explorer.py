@@ -19,7 +19,6 @@ what ranks *actually* consumed in a real launch (duplicates, never-seen samples)
 
 from __future__ import annotations
 
-import math
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -597,21 +596,38 @@ def _html_escape(text: str) -> str:
 
 
 class ConsumedView(_StaticView):
-    """What every rank actually consumed in a real run: duplicates and never-seen samples.
+    """What every rank actually consumed in a real run, as an epoch x sample grid.
 
     Args:
-        indices_by_rank (`dict[int, list[int]]`): the sample indices each rank processed (for
-            example collected by each worker and returned through ``notebook_launcher``). Keys may
-            be ints or strings of ints (as after a JSON round trip).
+        indices_by_rank (`dict[int, list[int] | dict[int, list[int]]]`): for each rank, the
+            sample indices it processed, either as one list (one pass, or everything at once)
+            or per epoch as ``{epoch: [indices]}`` (for example collected by each worker with
+            ``nb_dist.report(..., step=epoch)``). Keys may be ints or strings of ints (as after
+            a JSON round trip).
         dataset_len (`int`): the dataset's length, to find samples nobody saw.
+
+    Duplicates and missed samples are counted *within* an epoch: a sample consumed once in
+    every epoch is normal training, not a duplicate. With several epochs the summary also says
+    whether each epoch repeated epoch 0 (same samples, same ranks, same order: what a missing
+    ``set_epoch`` does) and how many samples moved to another rank.
     """
 
-    def __init__(self, indices_by_rank: Mapping[Any, Iterable[Any]], dataset_len: int) -> None:
+    def __init__(self, indices_by_rank: Mapping[Any, Any], dataset_len: int) -> None:
         self.dataset_len = _check_int("dataset_len", dataset_len, 0)
-        self.indices_by_rank = {
-            int(rank): [int(i) for i in indices]
-            for rank, indices in sorted(indices_by_rank.items(), key=lambda kv: int(kv[0]))
-        }
+        ranks = sorted(indices_by_rank.items(), key=lambda kv: int(kv[0]))
+        self.per_epoch = any(isinstance(v, Mapping) for _r, v in ranks)
+        #: ``{epoch: {rank: [indices]}}``; a single list is epoch 0.
+        self.by_epoch: dict[int, dict[int, list[int]]] = {}
+        for rank, value in ranks:
+            epochs = value if isinstance(value, Mapping) else {0: value}
+            for epoch, indices in epochs.items():
+                self.by_epoch.setdefault(int(epoch), {})[int(rank)] = [int(i) for i in indices]
+        self.by_epoch = {e: dict(sorted(self.by_epoch[e].items())) for e in sorted(self.by_epoch)}
+        #: Every rank's indices over all epochs, in epoch order.
+        self.indices_by_rank: dict[int, list[int]] = {int(r): [] for r, _v in ranks}
+        for by_rank in self.by_epoch.values():
+            for rank, indices in by_rank.items():
+                self.indices_by_rank[rank].extend(indices)
         for rank, indices in self.indices_by_rank.items():
             bad = [i for i in indices if not 0 <= i < self.dataset_len]
             if bad:
@@ -620,105 +636,188 @@ class ConsumedView(_StaticView):
                     f"{bad[:5]}"
                 )
 
+    @property
+    def epochs(self) -> list[int]:
+        return list(self.by_epoch)
+
     def counts(self) -> Counter[int]:
-        """How many times each sample index was consumed, over all ranks."""
+        """How many times each sample index was consumed, over all ranks and epochs."""
         return Counter(i for indices in self.indices_by_rank.values() for i in indices)
 
-    def duplicates(self) -> dict[int, list[int]]:
-        """``{index: [ranks...]}`` for every sample consumed more than once (ranks repeat)."""
+    def _where(self, epoch: int) -> dict[int, list[int]]:
         where: dict[int, list[int]] = {}
-        for rank, indices in self.indices_by_rank.items():
+        for rank, indices in self.by_epoch[epoch].items():
             for i in indices:
                 where.setdefault(i, []).append(rank)
-        return {i: ranks for i, ranks in sorted(where.items()) if len(ranks) > 1}
+        return where
+
+    def duplicates(self) -> dict[int, list[int]]:
+        """``{index: [ranks...]}`` for every sample consumed more than once *in one epoch*."""
+        found: dict[int, list[int]] = {}
+        for epoch in self.by_epoch:
+            for i, ranks in self._where(epoch).items():
+                if len(ranks) > 1:
+                    found.setdefault(i, []).extend(ranks)
+        return dict(sorted(found.items()))
 
     def never_seen(self) -> list[int]:
-        """Sample indices no rank consumed, sorted."""
-        counts = self.counts()
-        return [i for i in range(self.dataset_len) if i not in counts]
+        """Sample indices that some epoch did not consume at all, sorted."""
+        missing: set[int] = set()
+        for epoch in self.by_epoch:
+            where = self._where(epoch)
+            missing.update(i for i in range(self.dataset_len) if i not in where)
+        return sorted(missing)
+
+    def repeats_first_epoch(self) -> list[int]:
+        """The epochs after the first whose every rank consumed exactly epoch 0's list."""
+        first, *rest = self.epochs or [0]
+        return [e for e in rest if self.by_epoch[e] == self.by_epoch[first]]
+
+    def moved(self, epoch: int) -> list[int]:
+        """Samples that ``epoch`` gives to another rank (set) than the first epoch did."""
+        first = self._where(self.epochs[0])
+        now = self._where(epoch)
+        return sorted(i for i in now if set(now[i]) != set(first.get(i, [])))
 
     def summary(self) -> str:
         total = sum(len(v) for v in self.indices_by_rank.values())
-        lines = [
-            f"ConsumedView(dataset={self.dataset_len}, ranks={len(self.indices_by_rank)}, "
-            f"consumed={total})"
-        ]
-        for rank, indices in self.indices_by_rank.items():
-            lines.append(
-                f"rank {rank}: {len(indices)} samples {_short_list([str(i) for i in indices])}"
-            )
+        head = f"ConsumedView(dataset={self.dataset_len}, ranks={len(self.indices_by_rank)}"
+        if self.per_epoch:
+            head += f", epochs={len(self.by_epoch)}"
+        lines = [f"{head}, consumed={total})"]
+        for epoch, by_rank in self.by_epoch.items():
+            for rank, indices in by_rank.items():
+                where = f"epoch {epoch}, rank {rank}" if self.per_epoch else f"rank {rank}"
+                lines.append(
+                    f"{where}: {len(indices)} samples {_short_list([str(i) for i in indices])}"
+                )
+        within = " in one epoch" if self.per_epoch else ""
         dups = self.duplicates()
         if dups:
             shown = [f"{i} (ranks {', '.join(str(r) for r in ranks)})" for i, ranks in dups.items()]
             extra = f", ... (+{len(shown) - 12} more)" if len(shown) > 12 else ""
-            lines.append(f"duplicates: {len(dups)}: " + "; ".join(shown[:12]) + extra)
+            lines.append(f"duplicates{within}: {len(dups)}: " + "; ".join(shown[:12]) + extra)
         else:
-            lines.append("duplicates: none")
+            lines.append(f"duplicates{within}: none")
         missing = self.never_seen()
+        label = "missed by an epoch" if self.per_epoch else "never seen"
         lines.append(
-            f"never seen: {len(missing)}: {_short_list([str(i) for i in missing])}"
+            f"{label}: {len(missing)}: {_short_list([str(i) for i in missing])}"
             if missing
-            else "never seen: none"
+            else f"{label}: none"
         )
+        repeats = set(self.repeats_first_epoch())
+        for epoch in self.epochs[1:]:
+            if epoch in repeats:
+                lines.append(
+                    f"epoch {epoch} repeats epoch {self.epochs[0]}: same samples on the same "
+                    "ranks, in the same order"
+                )
+            else:
+                lines.append(
+                    f"epoch {epoch}: a new order; {len(self.moved(epoch))} of "
+                    f"{self.dataset_len} samples on another rank than in epoch {self.epochs[0]}"
+                )
         return "\n".join(lines)
 
     def figure(self) -> Any:
-        """A bar per sample index, stacked by the ranks that consumed it; never-seen marked.
+        """A grid: one row per epoch, one cell per sample, coloured by the rank that took it.
 
-        Datasets longer than ``max_bars`` samples are drawn in bins (mean times consumed per
-        sample in each bin), so the figure stays readable and fast.
+        Each cell shows the sample's position in that rank's order (1 = its first sample of
+        the epoch); a sample taken by two ranks in one epoch is split into both colours with a
+        red outline, a missed one is grey with an x. Datasets longer than 60 samples are drawn
+        without the numbers, and as coloured pixels.
         """
-        from matplotlib.ticker import MaxNLocator
+        from matplotlib.patches import Patch, Rectangle
 
-        max_bars = 400
-        binsize = max(1, math.ceil(self.dataset_len / max_bars))
-        nbins = math.ceil(self.dataset_len / binsize)
-        fig = _new_figure(min(12.0, max(7.0, 3.0 + 0.2 * nbins)), 3.4)
+        n, epochs = self.dataset_len, self.epochs or [0]
+        ranks = list(self.indices_by_rank)
+        small = n <= 60
+        width = min(12.0, max(6.0, 2.5 + 0.42 * n)) if small else 12.0
+        fig = _new_figure(width, 1.5 + 0.55 * len(epochs))
         ax = fig.subplots()
-        bottoms = [0.0] * nbins
-        for rank, indices in self.indices_by_rank.items():
-            heights = [0.0] * nbins
-            for i in indices:
-                heights[i // binsize] += 1 / binsize
-            ax.bar(
-                [b * binsize for b in range(nbins)],
-                heights,
-                bottom=bottoms,
-                color=rank_color(rank),
-                width=0.9 if binsize == 1 else binsize,
-                align="edge" if binsize > 1 else "center",
-                label=f"rank {rank}",
-            )
-            bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
-        missing = self.never_seen()
-        if missing:
-            ax.scatter(
-                missing,
-                [0.05] * len(missing),
-                marker="x",
-                color="#D55E00",
-                zorder=3,
-                label="never seen",
-            )
-        ax.axhline(1, color="#444444", linewidth=0.8, linestyle="--")
-        ax.set_xlabel("sample index")
-        if binsize == 1:
-            ax.set_ylabel("times consumed")
-            ax.set_xlim(-0.6, self.dataset_len - 0.4)
-            ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        if small:
+            for row, epoch in enumerate(epochs):
+                position: dict[int, list[tuple[int, int]]] = {}
+                for rank, indices in self.by_epoch[epoch].items():
+                    for k, i in enumerate(indices):
+                        position.setdefault(i, []).append((rank, k + 1))
+                for i in range(n):
+                    takers = position.get(i, [])
+                    if not takers:
+                        ax.add_patch(
+                            Rectangle((i, row), 1, 1, facecolor=DROPPED_COLOR, edgecolor="#FFFFFF")
+                        )
+                        ax.text(i + 0.5, row + 0.5, "x", ha="center", va="center", color="#D55E00")
+                        continue
+                    share = 1 / len(takers)
+                    for k, (rank, _pos) in enumerate(takers):
+                        ax.add_patch(
+                            Rectangle(
+                                (i + k * share, row),
+                                share,
+                                1,
+                                facecolor=rank_color(rank),
+                                edgecolor="#FFFFFF",
+                                linewidth=1.0,
+                            )
+                        )
+                    if len(takers) > 1:
+                        ax.add_patch(
+                            Rectangle(
+                                (i, row), 1, 1, fill=False, edgecolor="#D55E00", linewidth=2.2
+                            )
+                        )
+                    label = "/".join(str(pos) for _rank, pos in takers)
+                    ax.text(
+                        i + 0.5,
+                        row + 0.5,
+                        label,
+                        ha="center",
+                        va="center",
+                        fontsize=8 if len(takers) == 1 else 6.5,
+                        color=text_color_on(rank_color(takers[0][0])),
+                    )
+            ax.set_xticks([i + 0.5 for i in range(n)])
+            ax.set_xticklabels([str(i) for i in range(n)], fontsize=8)
         else:
-            ax.set_ylabel(f"mean times consumed\n(bins of {binsize})")
-            ax.set_xlim(0, self.dataset_len)
-        ax.set_ylim(0, max(bottoms, default=1) + 0.5)
-        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
-        ax.set_title(
-            f"What each rank consumed: {self.dataset_len} samples, "
-            f"{len(self.duplicates())} duplicated, {len(missing)} never seen",
-            fontsize=10,
+            grid = [[(0.85, 0.85, 0.85)] * n for _ in epochs]
+            for row, epoch in enumerate(epochs):
+                for i, takers in self._where(epoch).items():
+                    color = rank_color(takers[0]) if len(takers) == 1 else "#000000"
+                    grid[row][i] = tuple(int(color[j : j + 2], 16) / 255 for j in (1, 3, 5))
+            ax.imshow(grid, aspect="auto", interpolation="nearest", extent=(0, n, len(epochs), 0))
+        ax.set_xlim(0, n)
+        ax.set_ylim(len(epochs), 0)
+        ax.set_yticks([row + 0.5 for row in range(len(epochs))])
+        ax.set_yticklabels(
+            [f"epoch {e}" for e in epochs] if self.per_epoch else ["consumed"], fontsize=9
         )
+        ax.set_xlabel("sample index" + (" (number: position in the rank's order)" if small else ""))
+        ax.tick_params(length=0)
+        for spine in ax.spines.values():
+            spine.set_visible(False)
+        handles = [Patch(facecolor=rank_color(r), label=f"rank {r}") for r in ranks]
+        dups, missing = len(self.duplicates()), len(self.never_seen())
+        if dups:
+            handles.append(Patch(facecolor="#FFFFFF", edgecolor="#D55E00", label="two ranks"))
+        if missing:
+            handles.append(Patch(facecolor=DROPPED_COLOR, label="nobody"))
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8)
+        if self.per_epoch and len(epochs) > 1:
+            repeats = self.repeats_first_epoch()
+            verdict = (
+                "every epoch repeats epoch 0"
+                if len(repeats) == len(epochs) - 1
+                else "the order changes between epochs"
+            )
+            title = f"Who consumed each sample, per epoch: {verdict}"
+        else:
+            title = f"Who consumed each sample: {dups} duplicated, {missing} never seen"
+        ax.set_title(title, fontsize=10)
         return fig
 
 
-def consumed_view(indices_by_rank: Mapping[Any, Iterable[Any]], dataset_len: int) -> ConsumedView:
+def consumed_view(indices_by_rank: Mapping[Any, Any], dataset_len: int) -> ConsumedView:
     """Shortcut for :class:`ConsumedView` (display it, ``print`` it, or call ``.figure()``)."""
     return ConsumedView(indices_by_rank, dataset_len)
