@@ -148,22 +148,29 @@ def release_notice(release: Release, threads: int) -> str | None:
     )
 
 
-def single_thread_notice(threads: int) -> str:
+def _why_kept(release: Release) -> str:
+    if release.status == "disabled":
+        return f"{RELEASE_ENV}=0 keeps it"
+    return "this OpenMP runtime cannot release it"
+
+
+def single_thread_notice(threads: int, release: Release) -> str:
     return (
         "The kernel had already run multi-threaded torch work, and OpenMP's thread pool does "
-        "not survive fork; this OpenMP runtime cannot release it. Workers run with 1 thread "
+        f"not survive fork; {_why_kept(release)}. Workers run with 1 thread "
         f"instead of {threads} so that they do not hang. For all threads, launch with "
         "start_method='forkserver' (fresh processes) or restart the kernel and launch before "
         "training in it."
     )
 
 
-def fork_unsafe_message(threads: int) -> str:
+def fork_unsafe_message(threads: int, release: Release) -> str:
+    why = _why_kept(release)
     return (
         f"threads_per_process={threads} cannot work with start_method='fork' now: the kernel "
         "already ran multi-threaded torch work, and OpenMP's thread pool does not survive fork, "
-        "so every worker would hang in its first parallel op (a convolution, a matmul). This "
-        "OpenMP runtime cannot release the pool. Launch with start_method='forkserver' (fresh "
+        "so every worker would hang in its first parallel op (a convolution, a matmul), and "
+        f"{why}. Launch with start_method='forkserver' (fresh "
         "processes, all threads), or with threads_per_process=1, or restart the kernel and "
         "launch before running torch work in it."
     )

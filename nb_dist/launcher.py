@@ -476,8 +476,8 @@ def _fork_safe_threads(threads: int | None, explicit: bool) -> tuple[int | None,
     if not _openmp.pool_breaks_fork(wanted):
         return threads, None
     if explicit:
-        raise UnsafeLaunchError(_openmp.fork_unsafe_message(wanted))
-    return 1, _openmp.single_thread_notice(wanted)
+        raise UnsafeLaunchError(_openmp.fork_unsafe_message(wanted, release))
+    return 1, _openmp.single_thread_notice(wanted, release)
 
 
 def _kernel_threads() -> int:

@@ -200,6 +200,7 @@ class OutputRouter:
 
     def notice(self, text: str) -> None:
         """A message from the launcher itself (not from a rank), on stderr."""
+        self._stream("stdout").flush()  # what the cell printed before stays above it
         out = self._stream("stderr")
         out.write("".join(f"[nb_dist] {line}\n" for line in text.splitlines()))
         out.flush()
