@@ -11,6 +11,9 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .errors import RankOutcome
+from .tracebacks import blocked_place, format_frames, relabel_cells
+
 Frame = tuple[str, int, str]  # (file, line, function), as parsed from a faulthandler dump
 
 _DIST_DIR = os.sep + os.path.join("torch", "distributed") + os.sep
@@ -98,8 +101,8 @@ class RendezvousView:
 
 def rendezvous_report(limit: float, world_size: int, ranks: Sequence[RendezvousView]) -> str:
     """Why the rendezvous did not complete: who waited, who never came, and the likely cause."""
-    waiting = [r for r in ranks if r.waited is not None and not r.done]
-    first = max((r.waited for r in waiting), default=limit)
+    waits = [r.waited for r in ranks if r.waited is not None and not r.done]
+    first = max(waits, default=limit)
     lines = [
         f"The ranks did not all join the process group within rendezvous_timeout={limit:g} s "
         "of the first one reaching init_process_group, so all ranks were stopped."
@@ -162,3 +165,170 @@ def _causes(world_size: int, ranks: Sequence[RendezvousView]) -> list[str]:
             "the same number of times."
         )
     return causes
+
+
+# ------------------------------------------------------------------ a rank failed
+_COLLATERAL_TYPES = ("DistBackendError", "DistNetworkError", "DistStoreError")
+_COLLATERAL_TEXT = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "Connection refused",
+    "communicator was aborted",
+    "NCCL error",
+)
+_CRASH_FRAME = re.compile(r'^\s+File "(?P<file>[^"]*)", line \d+ in ')
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def looks_collateral(outcome: RankOutcome) -> bool:
+    """A failure that typically follows another rank's death, not a cause of its own."""
+    kind = outcome.exc_type or ""
+    text = outcome.message or ""
+    return any(t in kind for t in _COLLATERAL_TYPES) or any(t in text for t in _COLLATERAL_TEXT)
+
+
+def root_cause(outcomes: Sequence[RankOutcome]) -> tuple[RankOutcome, list[RankOutcome]]:
+    """The rank that failed first for a reason of its own, and the failures caused by it.
+
+    Collateral failures ("Connection closed by peer" from ranks waiting on a dead one) are
+    the cause only when nothing else failed.
+    """
+    failed = [o for o in outcomes if o.status == "failed"]
+    real = [o for o in failed if not looks_collateral(o)]
+    candidates = real or failed or list(outcomes)
+    root = min(candidates, key=lambda o: (o.failed_at is None, o.failed_at or 0.0, o.rank))
+    return root, [o for o in failed if o is not root and looks_collateral(o)]
+
+
+def last_output(log: str) -> list[str]:
+    """The end of a dead rank's output; for a crash, faulthandler's report up to the user code.
+
+    A forked worker's crash report continues below the user's frames with the launcher's and
+    the inherited kernel's frames (dozens in Jupyter), which would push the "Fatal Python error"
+    line and the user's frames out of a plain tail.
+    """
+    lines = log.rstrip().splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("Fatal Python error:")]
+    if not starts:
+        return lines[-15:]
+    start = starts[-1]
+    crash = []
+    for line in lines[start:]:
+        frame = _CRASH_FRAME.match(line)
+        if frame and os.path.dirname(os.path.abspath(frame["file"])) == _PACKAGE_DIR:
+            break  # the launcher's frames, then the kernel's inherited ones
+        crash.append(relabel_cells(line))
+    return lines[max(0, start - 5) : start] + crash[:40]
+
+
+def failure_message(root: RankOutcome, outcomes: Sequence[RankOutcome], root_log: str) -> str:
+    """The text of a ``WorkerFailedError``: the root cause first, then the other ranks."""
+    # "returned" counts ranks whose value had not arrived yet: they were tearing down.
+    finished = [o.rank for o in outcomes if o is not root and (o.status == "ok" or o.returned_at)]
+    if looks_collateral(root) and finished:
+        # Lead with the diagnosis; the backend's raw text (gloo's "Connection closed by peer"
+        # with its source path) follows as the detail it is.
+        call = distributed_call_in_traceback(root.traceback or "")
+        head = skipped_collective_head(root.rank, call, finished)
+        head += f"\n\nThe error rank {root.rank} got: {root.exc_type}: {root.message}"
+    elif root.exc_type:
+        head = f"rank {root.rank} failed first: {root.exc_type}: {root.message}"
+    else:
+        head = f"rank {root.rank} failed first: {root.message}"
+        if root.signal_name == "SIGKILL":
+            head += " (sent by the kernel's out-of-memory killer, or by kill -9)"
+        elif root.signal_name == "SIGSEGV":
+            head += " (a crash in native code)"
+    parts = [head]
+    if root.traceback:
+        parts.append(f"\nTraceback of rank {root.rank}:\n{root.traceback.rstrip()}")
+    elif root_log.strip():
+        parts.append(f"\nLast output of rank {root.rank}:\n" + "\n".join(last_output(root_log)))
+    others = [o for o in outcomes if o is not root]
+    if others:
+        parts.append("\nThe other ranks:\n" + "\n".join(o.describe() for o in others))
+    parts.append(
+        "\nEvery rank's outcome is in this exception's .outcomes and its full output in .logs."
+    )
+    return "\n".join(parts)
+
+
+def ended_without_value(code: int | None, signal_name: str | None) -> str:
+    """Why a rank that sent no value and no exception ended, from its exit status."""
+    if code is not None and code < 0:
+        return f"the process was killed by signal {signal_name}"
+    if code == 0:
+        return "the process ended without returning from the function (os._exit?)"
+    return f"the process exited with code {code} before returning"
+
+
+# ------------------------------------------------------------------ too slow, or stuck
+TEARDOWN_NOTE = (
+    "A rank that returned from the function but does not exit is stuck in native teardown: "
+    "destroying the process group or freeing C++ resources (a DistributedDataParallel model "
+    "still alive while its group is destroyed can hang there). Delete DDP models "
+    "(del model) before returning, and pass timeout=... to the launcher to bound the wait."
+)
+
+
+@dataclass(frozen=True)
+class StuckRank:
+    """One rank at the moment a launch was stopped for running past its ``timeout``."""
+
+    rank: int
+    #: "teardown" (returned, not exited), "blocked" (a stack was taken), "starting"
+    #: (no stack: not yet running the function), or "ended" (see ``outcome``).
+    state: str
+    frames: tuple[Frame, ...] = ()
+    outcome: str = ""
+
+
+def timeout_report(timeout: float, ranks: Sequence[StuckRank]) -> tuple[str, dict[int, str]]:
+    """The text of a ``LaunchTimeoutError`` and the stack of every blocked rank."""
+    lines = [f"The launch did not finish within timeout={timeout:g} s, so all ranks were stopped."]
+    stacks: dict[int, str] = {}
+    calls: list[str | None] = []
+    for view in ranks:
+        if view.state == "teardown":
+            lines.append(
+                f"rank {view.rank} had returned from the function and was stuck in the native "
+                "teardown after it (see the note below)"
+            )
+        elif view.state == "blocked":
+            calls.append(distributed_call(view.frames))
+            lines.append(f"rank {view.rank} was blocked at {blocked_place(list(view.frames))}")
+            stacks[view.rank] = format_frames(list(view.frames))
+        elif view.state == "starting":
+            lines.append(f"rank {view.rank} was still starting")
+        else:
+            lines.append(view.outcome)
+    for rank, text in stacks.items():
+        lines.append(f"\nStack of rank {rank} (most recent call last):\n{text}")
+    if calls:
+        lines.append("\n" + timeout_hint(calls))
+    if any(view.state == "teardown" for view in ranks):
+        lines.append(TEARDOWN_NOTE)
+    return "\n".join(lines), stacks
+
+
+def straggler_notice(
+    rank: int, waited: float, finished: Sequence[int], frames: Sequence[Frame]
+) -> str:
+    """The notice for a rank still running long after others finished (a likely deadlock)."""
+    return (
+        f"rank {rank} is still running {waited:.0f} s after rank(s) "
+        f"{', '.join(map(str, finished))} finished. It is at {blocked_place(list(frames))}:\n"
+        f"{format_frames(list(frames))}\n"
+        "If it waits in a collective (all_reduce, barrier, ...) that the finished "
+        "ranks skipped, this is a deadlock and it will never finish: interrupt the "
+        "kernel, make every rank call the same collectives, or pass timeout=... to "
+        "the launcher. Still waiting, since a rank may also legitimately work alone."
+    )
+
+
+def teardown_notice(rank: int, ago: float) -> str:
+    return (
+        f"rank {rank} returned from the function {ago:.0f} s ago but its process has not "
+        "exited. " + TEARDOWN_NOTE
+    )

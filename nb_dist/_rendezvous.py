@@ -31,10 +31,12 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from ._protocol import Message, Rendezvous
+
 _AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
 _LOOPBACK_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost")
 
-Send = Callable[[tuple[Any, ...]], None]
+Send = Callable[[Message], None]
 
 
 def _same_host(a: str, b: str) -> bool:
@@ -100,7 +102,7 @@ def _wrap_rendezvous(c10d: Any, send: Send) -> None:
     def entering(url: str, rank: int = -1, world_size: int = -1, **kwargs: Any) -> Iterator[Any]:
         asked = world_size if world_size != -1 else _int_env("WORLD_SIZE")
         with contextlib.suppress(OSError, EOFError):
-            send(("rendezvous", "enter", time.monotonic(), asked, _endpoint(url)))
+            send(Rendezvous("enter", time.monotonic(), asked, _endpoint(url)))
         return rendezvous(url, rank, world_size, **kwargs)  # type: ignore[no-any-return]
 
     @functools.wraps(update)
@@ -108,7 +110,7 @@ def _wrap_rendezvous(c10d: Any, send: Send) -> None:
         result = update(pg)
         if pg is not None:
             with contextlib.suppress(OSError, EOFError):
-                send(("rendezvous", "done", time.monotonic(), None, None))
+                send(Rendezvous("done", time.monotonic()))
         return result
 
     entering._nb_dist_hook = True  # type: ignore[attr-defined]

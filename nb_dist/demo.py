@@ -97,7 +97,9 @@ def train(epochs: int = 3, seed: int = 0, fail_rank: int | None = None) -> dict[
 
     x_train, y_train, x_held_out, y_held_out = make_data(seed)
     dataset = TensorDataset(x_train, y_train)
-    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed)
+    sampler: DistributedSampler[int] = DistributedSampler(
+        dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed
+    )
     loader = DataLoader(dataset, batch_size=BATCH_SIZE, sampler=sampler)
 
     model = DistributedDataParallel(make_model(seed))

@@ -6,7 +6,7 @@ import os
 import time
 import types
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 try:  # what torchrun and accelerate.notebook_launcher raise when a worker fails
     from torch.distributed.elastic.multiprocessing.errors import (
@@ -30,6 +30,11 @@ __all__ = [
 ]
 
 
+#: Where a rank is: ``starting`` → ``running`` → ``ok`` / ``failed`` / ``stopped``, and a
+#: failure caused by another rank's is re-labelled ``collateral``. The live monitor reads it.
+RankStatus = Literal["starting", "running", "ok", "failed", "collateral", "stopped"]
+
+
 @dataclass
 class RankOutcome:
     """What happened to one rank of a launch.
@@ -47,7 +52,7 @@ class RankOutcome:
     rank: int
     local_rank: int
     pid: int | None = None
-    status: str = "running"
+    status: RankStatus = "running"
     exit_code: int | None = None
     signal_name: str | None = None
     exc_type: str | None = None
@@ -72,6 +77,8 @@ class RankOutcome:
             return f"rank {self.rank}: stopped by the launcher{how}"
         if self.status == "running":
             return f"rank {self.rank}: still running"
+        if self.status == "starting":
+            return f"rank {self.rank}: still starting"
         what = f"{self.exc_type}: {self.message}" if self.exc_type else "the process died"
         if self.exc_type:
             # The exception is the cause; the exit that followed it (code 1, or the launcher's
@@ -186,7 +193,9 @@ def _process_failures(root: RankOutcome, outcomes: list[RankOutcome]) -> dict[in
     now_wall, now_mono = time.time(), time.monotonic()
     failures = {}
     for outcome in failed:
-        if outcome.signal_name is not None:
+        if outcome.exc_type:
+            code = 1  # it raised; a SIGTERM from the launcher while it exited is not the cause
+        elif outcome.signal_name is not None:
             code = -_signal_number(outcome.signal_name)
         else:
             code = outcome.exit_code if outcome.exit_code not in (None, 0) else 1

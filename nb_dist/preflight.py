@@ -93,11 +93,14 @@ def check_choice(name: str, value: object, choices: tuple[str, ...]) -> str:
     )
 
 
-def check_seconds(name: str, value: object) -> float | None:
-    if value is None:
+def check_seconds(name: str, value: object, default: float | None = None) -> float | None:
+    """A positive number of seconds; ``None`` allowed unless ``default`` is given (then it
+    says what leaving the argument unset gives)."""
+    if value is None and default is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ValueError(f"{name}={value!r} must be a positive number of seconds, or None.")
+        fix = "or None" if default is None else f"or leave it unset for {default:g}"
+        raise ValueError(f"{name}={value!r} must be a positive number of seconds, {fix}.")
     return float(value)
 
 
@@ -179,7 +182,7 @@ def install_cuda_touch_recorder() -> None:
             return _original(*args)
 
         setattr(torch._C, name, recorder)
-    torch._C._nb_dist_recorder = True
+    setattr(torch._C, "_nb_dist_recorder", True)  # noqa: B010 - marks torch._C as wrapped
 
 
 def cuda_touched() -> bool:

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pickle
 import sys
 import threading
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
+
+from . import _protocol
 
 __all__ = [
     "ReportEntry",
@@ -98,16 +99,6 @@ class Reports(dict):  # type: ignore[type-arg]
 
 
 # ----------------------------------------------------------------- worker side
-def send_message(control: Any, message: tuple[Any, ...]) -> None:
-    """Send one control message with plain pickle.
-
-    ``Connection.send`` would use multiprocessing's pickler, for which torch registers
-    reductions that pass tensors through shared memory owned by the sender: they vanish when
-    the worker exits. Plain pickle copies the data.
-    """
-    control.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
-
-
 class _Sink:
     """The worker's end of the channel: a buffer, a lock, and a thread that flushes it."""
 
@@ -127,7 +118,7 @@ class _Sink:
         if step is None:
             step = self._steps.get(name, -1) + 1
         self._steps[name] = step
-        entry = (name, step, time.time(), value)
+        entry = (name, step, time.monotonic(), value)
         # Under the lock: the flusher thread swaps the buffer, and an append to the list it
         # has just taken (between reading self._buffer and appending) would be lost.
         with self._lock:
@@ -135,20 +126,33 @@ class _Sink:
             if len(self._buffer) >= _MAX_BATCH:
                 self._flush_locked()
 
-    def send(self, message: tuple[Any, ...]) -> None:
+    def send(self, message: _protocol.Message) -> None:
         """Send a control message after everything reported so far (keeps the order)."""
         with self._lock:
             self._flush_locked()
-            send_message(self._control, message)
+            _protocol.send(self._control, message)
 
     def flush(self) -> None:
         with self._lock:
             self._flush_locked()
 
     def _flush_locked(self) -> None:
-        if self._buffer:
-            items, self._buffer = self._buffer, []
-            send_message(self._control, ("reports", items))
+        if not self._buffer:
+            return
+        items, self._buffer = self._buffer, []
+        values = []
+        for name, step, at, value in items:
+            try:  # one by one: a value that cannot be pickled costs only itself
+                values.append(_protocol.report_value(name, step, at, value))
+            except Exception as exc:
+                print(
+                    f"report({name!r}, ...) on rank {self.rank}: a {_protocol.type_name(value)} "
+                    f"cannot be sent to the kernel ({type(exc).__name__}: {exc}); report "
+                    "numbers, tensors, arrays or dicts/lists of those.",
+                    file=sys.stderr,
+                )
+        if values:
+            _protocol.send(self._control, _protocol.Reports(tuple(values)))
 
     def _flush_loop(self) -> None:
         while not self._closed.wait(_FLUSH_EVERY):
@@ -221,7 +225,7 @@ def local_reports() -> Reports:
 # ----------------------------------------------------------------- rank helpers
 def _env_int(name: str, default: int) -> int:
     try:
-        return int(os.environ.get(name, default))
+        return int(os.environ.get(name, str(default)))
     except ValueError:
         return default
 
@@ -290,14 +294,14 @@ def progress(iterable: Iterable[T], desc: str = "", total: int | None = None) ->
     key = desc or "progress"
     started = last = time.monotonic()
     count = 0
-    sink.send(("progress", key, 0, total))
+    sink.send(_protocol.Progress(key, 0, total))
     for item in iterable:
         yield item
         count += 1
         now = time.monotonic()
         if now - last >= _PROGRESS_EVERY:
             last = now
-            sink.send(("progress", key, count, total))
-    sink.send(("progress", key, count, total))
+            sink.send(_protocol.Progress(key, count, total))
+    sink.send(_protocol.Progress(key, count, total))
     shown = f"{count}/{total}" if total is not None else f"{count}"
     print(f"{key}: {shown} done in {time.monotonic() - started:.1f} s")

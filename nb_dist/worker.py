@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-from . import reporting
+from . import _protocol, reporting
 
 # Set in a worker so that a launch from inside a worker is refused (see preflight).
 WORKER_ENV_FLAG = "NB_DIST_WORKER_RANK"
@@ -104,9 +104,8 @@ def _run(spec: WorkerSpec, channels: WorkerChannels, forked: bool) -> int:
     kernel_modules = set(sys.modules) if forked and spec.report_imports else None
     _detach_from_kernel(spec, channels, forked)
     control = channels.control
-    reporting.send_message(
-        control, ("hello", os.getpid(), threading.main_thread().ident, time.monotonic())
-    )
+    main_ident = threading.main_thread().ident or threading.get_ident()
+    _protocol.send(control, _protocol.Hello(os.getpid(), main_ident, time.monotonic()))
     sink = reporting.install_sink(control, spec.rank)
     if forked:
         _forward_display(sink.send)
@@ -126,7 +125,7 @@ def _run(spec: WorkerSpec, channels: WorkerChannels, forked: bool) -> int:
         # connections, which can make a peer still waiting in a collective fail at once, and
         # that failure is explained by "rank K had already returned" (a skipped collective).
         # It also tells a teardown that hangs apart from a function that never returns.
-        sink.send(("returned", time.monotonic()))
+        sink.send(_protocol.Returned(time.monotonic()))
         _destroy_process_group()
     except BaseException as exc:
         sink.close()  # reports made before the failure still reach the kernel, first
@@ -140,20 +139,17 @@ def _run(spec: WorkerSpec, channels: WorkerChannels, forked: bool) -> int:
         data = _dumps_result(value)
     except Exception as exc:
         message = (
-            f"rank {spec.rank} returned a value of type {_type_name(value)} that cannot be "
-            f"sent back to the kernel ({type(exc).__name__}: {exc}). Return something picklable "
-            "(numbers, strings, lists, dicts, tensors, a state_dict), or save it to a file and "
-            "return the path."
+            f"rank {spec.rank} returned a value of type {_protocol.type_name(value)} that "
+            f"cannot be sent back to the kernel ({type(exc).__name__}: {exc}). Return something "
+            "picklable (numbers, strings, lists, dicts, tensors, a state_dict), or save it to a "
+            "file and return the path."
         )
-        reporting.send_message(
-            control,
-            ("error", _error_record("UnpicklableResultError", message, "", time.monotonic())),
-        )
+        failed = _protocol.Failed("UnpicklableResultError", message, "", time.monotonic())
+        _protocol.send(control, failed)
         return 1
-    # The size, then the raw bytes: the kernel reads them straight into one buffer, about
-    # twice as fast for a large state_dict as Connection.recv_bytes' chunked reads.
-    reporting.send_message(control, ("result", time.monotonic() - started, len(data)))
-    _write_all(control, data)
+    # The size, then the raw bytes (see _protocol.Result).
+    _protocol.send(control, _protocol.Result(time.monotonic() - started, len(data)))
+    _protocol.write_raw(control, data)
     return 0
 
 
@@ -174,7 +170,9 @@ def _detach_from_kernel(spec: WorkerSpec, channels: WorkerChannels, forked: bool
     sys.stdout = _text_stream(1)
     sys.stderr = _text_stream(2)
     sys.stdin = open(0, closefd=False)  # noqa: SIM115 - stays open for the process lifetime
-    sys.__stdout__, sys.__stderr__ = sys.stdout, sys.stderr
+    # The "original" streams too: code that writes to sys.__stderr__ must not reach the kernel.
+    setattr(sys, "__stdout__", sys.stdout)  # noqa: B010 - typeshed marks them Final
+    setattr(sys, "__stderr__", sys.stderr)  # noqa: B010
 
     if forked:
         for fd in spec.close_fds:
@@ -303,7 +301,7 @@ def _silence_inherited_display() -> None:
     publisher.publish = publish
 
 
-def _forward_display(send: Callable[[tuple[Any, ...]], None]) -> None:
+def _forward_display(send: Callable[[_protocol.Message], None]) -> None:
     """Send ``display()`` output (HTML, images, figures, updates) to the kernel to show.
 
     The worker's copy of the kernel's shell formats objects as usual (``_repr_html_``,
@@ -329,11 +327,11 @@ def _forward_display(send: Callable[[tuple[Any, ...]], None]) -> None:
         _flush_all()  # what was printed before the display arrives before it
         display_id = (transient or {}).get("display_id")
         with contextlib.suppress(OSError, EOFError):
-            send(("display", dict(data), dict(metadata or {}), display_id, bool(update)))
+            send(_protocol.Display(dict(data), dict(metadata or {}), display_id, bool(update)))
 
     def clear_output(wait: bool = False) -> None:
         with contextlib.suppress(OSError, EOFError):
-            send(("clear_output", bool(wait)))
+            send(_protocol.ClearOutput(bool(wait)))
 
     publisher.publish = publish
     publisher.clear_output = clear_output
@@ -355,7 +353,7 @@ def _load_function(spec: WorkerSpec) -> tuple[Callable[..., Any], tuple[Any, ...
     return function, tuple(args)
 
 
-def _prepare_torch(spec: WorkerSpec, send: Callable[[tuple[Any, ...]], None]) -> None:
+def _prepare_torch(spec: WorkerSpec, send: Callable[[_protocol.Message], None]) -> None:
     import torch
 
     from . import _rendezvous
@@ -393,9 +391,8 @@ def _report_exception(control: Connection, exc: BaseException, spec: WorkerSpec)
             "init_process_group=False and keep it."
         )
     with contextlib.suppress(OSError, EOFError):
-        reporting.send_message(
-            control, ("error", _error_record(_type_name(exc), message, text, failed_at))
-        )
+        failed = _protocol.Failed(_protocol.type_name(exc), message, text, failed_at)
+        _protocol.send(control, failed)
 
 
 def _report_imports(control: Connection, kernel_modules: set[str] | None) -> None:
@@ -406,19 +403,7 @@ def _report_imports(control: Connection, kernel_modules: set[str] | None) -> Non
     names = _warm.worth_importing(set(sys.modules) - kernel_modules)
     if names:
         with contextlib.suppress(OSError, EOFError):
-            reporting.send_message(control, ("imports", names))
-
-
-def _error_record(exc_type: str, message: str, text: str, failed_at: float) -> dict[str, Any]:
-    return {"exc_type": exc_type, "message": message, "traceback": text, "failed_at": failed_at}
-
-
-def _type_name(obj: object) -> str:
-    cls = obj if isinstance(obj, type) else type(obj)
-    module = cls.__module__
-    if module in ("builtins", "__main__", None):
-        return cls.__qualname__
-    return f"{module}.{cls.__qualname__}"
+            _protocol.send(control, _protocol.Imports(tuple(names)))
 
 
 class _CPUPickler(pickle.Pickler):
@@ -435,13 +420,6 @@ def _dumps_result(value: Any) -> bytes:
     buffer = io.BytesIO()
     _CPUPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
     return buffer.getvalue()
-
-
-def _write_all(conn: Connection, data: bytes) -> None:
-    """Write ``data`` raw (no framing) to ``conn``'s pipe; the size was sent before it."""
-    view = memoryview(data)
-    while view:
-        view = view[os.write(conn.fileno(), view) :]
 
 
 def _flush_all() -> None:

@@ -32,6 +32,35 @@ def _start(tmp: str) -> int:
     return rank
 
 
+def _arrive(tmp: str, name: str) -> None:
+    """One side of a handshake between ranks: say "I got here"."""
+    Path(tmp, name).write_text(str(os.getpid()))
+
+
+def _await(tmp: str, *names: str, within: float = 30.0) -> None:
+    """The other side: wait until every named rank said so (not a guess at how long it takes)."""
+    deadline = time.monotonic() + within
+    while not all(Path(tmp, name).exists() for name in names):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no handshake {names} within {within} s")
+        time.sleep(0.005)
+
+
+def _await_exit(pid: int, within: float = 30.0) -> None:
+    """Wait until process ``pid`` has exited (a zombie counts: it runs no code any more)."""
+    import psutil
+
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return
+        except psutil.NoSuchProcess:
+            return
+        time.sleep(0.005)
+    raise TimeoutError(f"process {pid} still running after {within} s")
+
+
 def _pids(tmp: Path) -> list[int]:
     return [int(p.read_text()) for p in sorted(tmp.glob("pid*"))]
 
@@ -54,10 +83,12 @@ def _free_port() -> int:
 # ----------------------------------------------------------------------------- worker functions
 def _raise_while_other_waits(tmp):
     rank = _start(tmp)
-    if rank == int(os.environ["WORLD_SIZE"]) - 1:
-        time.sleep(0.3)  # let the other ranks block in all_reduce first
+    last = int(os.environ["WORLD_SIZE"]) - 1
+    if rank == last:
+        _await(tmp, *(f"waiting{r}" for r in range(last)))  # the others are at all_reduce
         Path(tmp, "raised_at").write_text(repr(time.monotonic()))
         raise ValueError("boom")
+    _arrive(tmp, f"waiting{rank}")
     dist.all_reduce(torch.ones(1))
     return rank
 
@@ -65,9 +96,10 @@ def _raise_while_other_waits(tmp):
 def _crash_while_other_waits(tmp, how):
     rank = _start(tmp)
     if rank == 0:
+        _arrive(tmp, "waiting0")
         dist.all_reduce(torch.ones(1))
         return rank
-    time.sleep(0.3)
+    _await(tmp, "waiting0")  # rank 0 is at its all_reduce
     print("about to crash", flush=True)
     if how == "sigkill":
         os.kill(os.getpid(), signal.SIGKILL)
@@ -100,7 +132,8 @@ def _rank1_returns_without_all_reduce(tmp):
     rank = _start(tmp)
     dist.init_process_group("gloo")
     if rank == 0:
-        time.sleep(0.3)  # rank 1 has returned and torn its group down by now
+        _await(tmp, "pid1")
+        _await_exit(int(Path(tmp, "pid1").read_text()))  # rank 1 returned and tore down
         dist.all_reduce(torch.ones(1))  # the collective rank 1 skipped
     return rank
 

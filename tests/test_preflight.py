@@ -293,16 +293,23 @@ def test_invalid_choice_is_refused(tmp_path, name, value, choices):
         ("timeout", -1),
         ("timeout", "10"),
         ("timeout", True),
-        ("monitor_interval", 0),
-        ("monitor_interval", "0.1"),
         ("hang_notice_after", -5),
         ("hang_notice_after", 0.0),
     ],
 )
 def test_invalid_seconds_are_refused(tmp_path, name, value):
-    """timeout/monitor_interval/hang_notice_after must be positive seconds or None."""
+    """timeout/hang_notice_after must be positive seconds or None."""
     message = _refused(tmp_path, ValueError, **{name: value})
     _assert_mentions(message, f"{name}={value!r}", "positive number of seconds, or None")
+
+
+@pytest.mark.parametrize("value", [0, "0.1", None])
+def test_invalid_monitor_interval_is_refused(tmp_path, value):
+    """monitor_interval has no "off": None is refused too, naming the default."""
+    message = _refused(tmp_path, ValueError, monitor_interval=value)
+    _assert_mentions(
+        message, f"monitor_interval={value!r}", "positive number of seconds", "unset for 0.1"
+    )
 
 
 @pytest.mark.parametrize(
