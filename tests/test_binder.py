@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import tomllib
@@ -54,3 +55,23 @@ def test_readme_binder_link_opens_the_quickstart():
     match = re.search(r"mybinder\.org/v2/gh/[^)\s]+\?urlpath=lab/tree/([^)\s]+)", readme)
     assert match, "README must link to mybinder with urlpath=lab/tree/<notebook>"
     assert (ROOT / match.group(1)).is_file()
+
+
+def test_binder_installs_what_the_notebooks_import():
+    """Every third-party package a notebook imports is installed on Binder."""
+    import json
+
+    provided = {"torch", "nb_dist", "matplotlib", "ipywidgets", "IPython", "numpy", "accelerate"}
+    binder = (ROOT / "binder" / "requirements.txt").read_text()
+    assert "accelerate" in binder
+    optional = {"transformers"}  # imported under try/except: the notebook says how to get it
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        cells = json.loads(path.read_text())["cells"]
+        code = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+        for match in re.finditer(r"^\s*(?:from|import)\s+([A-Za-z_]\w*)", code, re.M):
+            name = match.group(1)
+            if name in sys.stdlib_module_names or name in provided | optional:
+                continue
+            if f"{name}.py" in code:  # a module the notebook writes itself
+                continue
+            raise AssertionError(f"{path.name} imports {name}, which Binder does not install")
