@@ -42,6 +42,8 @@ BENCHMARKS = (
     "result_transfer",
     "memory",
     "scaling",
+    "relaunch",
+    "fork_after_compute",
 )
 README = ROOT / "README.md"
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
