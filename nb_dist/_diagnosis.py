@@ -95,12 +95,19 @@ class RendezvousView:
     endpoint: str | None
     #: ``"running"``, ``"returned"`` (the function returned), or an outcome sentence.
     state: str
-    #: Where it was (its own line of code), if it was running.
-    place: str | None
+    #: Its stack, if it was running (most recent call last).
+    frames: tuple[Frame, ...] | None = None
+
+    @property
+    def place(self) -> str | None:
+        return blocked_place(list(self.frames)) if self.frames is not None else None
 
 
-def rendezvous_report(limit: float, world_size: int, ranks: Sequence[RendezvousView]) -> str:
-    """Why the rendezvous did not complete: who waited, who never came, and the likely cause."""
+def rendezvous_report(
+    limit: float, world_size: int, ranks: Sequence[RendezvousView]
+) -> tuple[str, dict[int, str]]:
+    """Why the rendezvous did not complete: who waited, who never came, and the likely cause;
+    and the stack of every rank that never reached it."""
     waits = [r.waited for r in ranks if r.waited is not None and not r.done]
     first = max(waits, default=limit)
     lines = [
@@ -114,7 +121,14 @@ def rendezvous_report(limit: float, world_size: int, ranks: Sequence[RendezvousV
         "If a rank is only slow to get there (it prepares data before init_process_group), "
         "pass a larger rendezvous_timeout=... to the launcher."
     )
-    return "\n".join(lines)
+    stacks = {
+        r.rank: format_frames(list(r.frames))
+        for r in ranks
+        if r.frames is not None and r.waited is None
+    }
+    for rank, stack in stacks.items():
+        lines.append(f"\nStack of rank {rank} (most recent call last):\n{stack}")
+    return "\n".join(lines), stacks
 
 
 def _describe(view: RendezvousView, longest: float) -> str:

@@ -34,6 +34,7 @@ from .errors import UnsafeLaunchError
 from .output import DEFAULT_PREFIX, OUTPUT_MODES, RICH_OUTPUT_MODES
 from .precision import normalize_mixed_precision
 from .tracebacks import cell_label
+from .worker import WorkerSpec
 
 # How long the first rank to reach init_process_group waits for the others before the launch
 # is stopped with a report (torch itself would wait for minutes).
@@ -81,6 +82,28 @@ class LaunchPlan:
     @property
     def backend(self) -> str:
         return "nccl" if self.use_gpu else "gloo"
+
+    def worker_spec(self, local_rank: int, env: dict[str, str], close_fds: list[int]) -> WorkerSpec:
+        """What one worker is told: its rank, environment, and the function (or its bytes)."""
+        shipped = self.payload is not None
+        return WorkerSpec(
+            rank=self.ranks[local_rank],
+            local_rank=local_rank,
+            env=env,
+            threads=self.threads,
+            init_process_group=self.init_process_group,
+            backend=self.backend,
+            use_gpu=self.use_gpu,
+            parent_pid=os.getpid(),
+            check_parent=self.start_method != "forkserver",
+            function=None if shipped else self.function,
+            args=() if shipped else self.args,
+            payload=self.payload,
+            linecache_entries=self.linecache_entries,
+            sys_path=list(sys.path) if shipped else [],
+            close_fds=close_fds,
+            report_imports=self.warm_imports,
+        )
 
     def worker_env(
         self, local_rank: int, port: int, attempt: int, error_file: str

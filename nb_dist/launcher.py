@@ -19,7 +19,7 @@ from ._plan import LaunchPlan, make_plan
 from .errors import LaunchInterrupted, LaunchTimeoutError, WorkerFailedError
 from .output import OutputRouter
 from .result import LaunchResult
-from .supervisor import AttemptConfig, AttemptResult, Supervisor
+from .supervisor import AttemptResult, Supervisor
 
 # How long workers may take to reach the rendezvous store (the store's client timeout).
 _STORE_TIMEOUT = 300.0
@@ -210,7 +210,7 @@ def _attempt(
             plan.worker_env(local, port, attempt, _error_file(error_dir, rank))
             for local, rank in enumerate(plan.ranks)
         ]
-        supervisor = Supervisor(_attempt_config(plan, envs, router, live_view))
+        supervisor = Supervisor(plan, envs, router, live_view)
         try:
             return supervisor.run(), port
         finally:
@@ -225,31 +225,6 @@ def _attempt(
             ports.forget_store(store)
             store = None  # drops the last reference: the server stops, the port is free
         shutil.rmtree(error_dir, ignore_errors=True)
-
-
-def _attempt_config(
-    plan: LaunchPlan, envs: list[dict[str, str]], router: OutputRouter, live_view: Any
-) -> AttemptConfig:
-    return AttemptConfig(
-        function=plan.function,
-        args=plan.args,
-        ranks=list(plan.ranks),
-        worker_env=envs,
-        start_method=plan.start_method,
-        threads=plan.threads,
-        init_process_group=plan.init_process_group,
-        backend=plan.backend,
-        use_gpu=plan.use_gpu,
-        router=router,
-        timeout=plan.timeout,
-        hang_notice_after=plan.hang_notice_after,
-        poll_interval=plan.poll_interval,
-        rendezvous_timeout=plan.rendezvous_timeout,
-        report_imports=plan.warm_imports,
-        payload=plan.payload,
-        linecache_entries=plan.linecache_entries,
-        observer=live_view,
-    )
 
 
 def _error_file(folder: str, rank: int) -> str:

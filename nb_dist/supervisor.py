@@ -15,18 +15,16 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
-import pickle
 import selectors
 import signal
-import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
 from . import _diagnosis, _processes, _protocol
-from ._processes import WorkerProcess
+from ._plan import LaunchPlan
+from ._rank import FINAL, PIPES, Rank, Rendezvous
 from .errors import LaunchError as _LaunchError
 from .errors import (
     LaunchTimeoutError,
@@ -35,10 +33,10 @@ from .errors import (
     RendezvousTimeoutError,
     WorkerFailedError,
 )
-from .output import LineSplitter, OutputRouter
+from .output import OutputRouter
 from .reporting import Reports
-from .tracebacks import blocked_place, format_frames, parse_fault_dump, relabel_cells
-from .worker import WorkerChannels, WorkerSpec
+from .tracebacks import format_frames, parse_fault_dump, relabel_cells
+from .worker import WorkerChannels
 
 # How long a stopped worker gets between SIGTERM and SIGKILL; keeps "stopped within 1 s".
 STOP_GRACE = 0.4
@@ -46,33 +44,7 @@ STOP_GRACE = 0.4
 DRAIN_AFTER_EXIT = 1.0
 # A partial line (no newline yet) is shown after this long anyway.
 PARTIAL_LINE_AFTER = 1.0
-_PIPES = ("stdout", "stderr", "control", "stack")
-_FINAL: tuple[RankStatus, ...] = ("ok", "failed", "collateral", "stopped")
 _Error = TypeVar("_Error", bound=_LaunchError)
-
-
-@dataclass
-class AttemptConfig:
-    """One attempt of a launch, fully resolved by the launcher."""
-
-    function: Callable[..., Any]
-    args: tuple[Any, ...]
-    ranks: list[int]  # global rank of each local worker
-    worker_env: list[dict[str, str]]
-    start_method: str
-    threads: int | None
-    init_process_group: bool
-    backend: str
-    use_gpu: bool
-    router: OutputRouter
-    timeout: float | None
-    hang_notice_after: float | None
-    poll_interval: float
-    rendezvous_timeout: float | None = None
-    report_imports: bool = False
-    payload: bytes | None = None
-    linecache_entries: dict[str, Any] = field(default_factory=dict)
-    observer: Any = None  # a live view (the launch monitor), see nb_dist/monitor.py
 
 
 @dataclass
@@ -83,53 +55,21 @@ class AttemptResult:
     durations: list[float | None]
 
 
-@dataclass
-class _Rendezvous:
-    """A rank's rendezvous as it reported it (see _rendezvous.py)."""
-
-    entered_at: float | None = None
-    done: bool = False
-    world_size: int | None = None
-    endpoint: str | None = None
-
-
-class _Rank:
-    """One worker as the kernel sees it: its process, its pipes, and what it reported."""
-
-    def __init__(self, local_rank: int, rank: int) -> None:
-        self.local_rank = local_rank
-        self.outcome = RankOutcome(rank=rank, local_rank=local_rank, status="starting")
-        self.process: WorkerProcess | None = None
-        self.pipes: dict[str, Connection] = {}
-        self.splitters = {"stdout": LineSplitter(), "stderr": LineSplitter()}
-        self.stack = bytearray()
-        self.thread_ident: int | None = None  # from Hello: whose stack to read
-        self.value: Any = None
-        self.result: _protocol.Result | None = None  # set once the value has arrived
-        self.failure: _protocol.Failed | None = None
-        self.rendezvous = _Rendezvous()
-        self.returncode: int | None = None
-        self.exited_at: float | None = None
-        self.control_closed_at: float | None = None
-        self.stop_requested = False
-
-    @property
-    def alive(self) -> bool:
-        return self.process is not None and self.returncode is None
-
-    @property
-    def finished(self) -> bool:
-        return self.outcome.status in _FINAL
-
-
 class Supervisor:
     """Runs one attempt: ``run()`` returns per-rank values or raises a launch error."""
 
-    def __init__(self, config: AttemptConfig) -> None:
-        self.config = config
-        self.router = config.router
-        self.observer = config.observer
-        self.workers = [_Rank(i, r) for i, r in enumerate(config.ranks)]
+    def __init__(
+        self,
+        plan: LaunchPlan,
+        worker_env: list[dict[str, str]],
+        router: OutputRouter,
+        observer: Any,
+    ) -> None:
+        self.config = plan
+        self.worker_env = worker_env
+        self.router = router
+        self.observer = observer  # a live view (the launch monitor), or None
+        self.workers = [Rank(i, r) for i, r in enumerate(plan.ranks)]
         self.reports = Reports()
         #: Modules the workers imported that the kernel lacks (see nb_dist/_warm.py).
         self.imports: set[str] = set()
@@ -164,7 +104,7 @@ class Supervisor:
                     worker.returncode = worker.process.kill_and_reap()
             self._close()
 
-    def _set_status(self, worker: _Rank, status: RankStatus) -> None:
+    def _set_status(self, worker: Rank, status: RankStatus) -> None:
         """The one place a rank's status changes; the live view hears of every change."""
         was_final = worker.finished
         worker.outcome.status = status
@@ -172,7 +112,7 @@ class Supervisor:
             return
         if status == "running":
             self.observer.started(worker.local_rank)
-        elif status in _FINAL and not was_final:
+        elif status in FINAL and not was_final:
             self.observer.finished(worker.local_rank, worker.outcome)
 
     # ----------------------------------------------------------------- start
@@ -196,39 +136,21 @@ class Supervisor:
 
     def _start(
         self,
-        worker: _Rank,
+        worker: Rank,
         context: Any,
         lifeline: Connection,
         gate: Connection,
         kernel_ends: tuple[Connection, ...],
     ) -> None:
         cfg = self.config
-        ends = {kind: multiprocessing.Pipe(duplex=False) for kind in _PIPES}
+        ends = {kind: multiprocessing.Pipe(duplex=False) for kind in PIPES}
         worker.pipes = {kind: reader for kind, (reader, _) in ends.items()}
         channels = WorkerChannels(
             **{k: w for k, (_, w) in ends.items()}, lifeline=lifeline, gate=gate
         )
         kernel_fds = [c.fileno() for w in self.workers for c in w.pipes.values()]
         kernel_fds += [conn.fileno() for conn in kernel_ends]
-        shipped = cfg.payload is not None
-        spec = WorkerSpec(
-            rank=worker.outcome.rank,
-            local_rank=worker.local_rank,
-            env=cfg.worker_env[worker.local_rank],
-            threads=cfg.threads,
-            init_process_group=cfg.init_process_group,
-            backend=cfg.backend,
-            use_gpu=cfg.use_gpu,
-            parent_pid=os.getpid(),
-            check_parent=cfg.start_method != "forkserver",
-            function=None if shipped else cfg.function,
-            args=() if shipped else cfg.args,
-            payload=cfg.payload,
-            linecache_entries=cfg.linecache_entries,
-            sys_path=list(sys.path) if shipped else [],
-            close_fds=kernel_fds,
-            report_imports=cfg.report_imports,
-        )
+        spec = cfg.worker_spec(worker.local_rank, self.worker_env[worker.local_rank], kernel_fds)
         try:
             worker.process = _processes.start(cfg.start_method, spec, channels, context)
         finally:
@@ -265,57 +187,38 @@ class Supervisor:
     def _pump(self, wait: float) -> None:
         for key, _ in self._selector.select(timeout=wait):
             worker, kind = key.data
-            if kind == "control":
-                self._read_control(worker)
+            if kind != "control":
+                if not worker.read_stream(kind, self.router):
+                    self._unregister(worker.pipes[kind])
+                continue
+            try:
+                message = worker.read_message()
+            except Exception as exc:
+                self.router.notice(
+                    f"could not read a message from rank {worker.outcome.rank} "
+                    f"({type(exc).__name__}: {exc})."
+                )
+                continue
+            if message is None:
+                self._unregister(worker.pipes["control"])
             else:
-                self._read_stream(worker, kind)
+                self._handle(worker, message)
 
-    def _read_stream(self, worker: _Rank, kind: str) -> None:
-        conn = worker.pipes[kind]
-        try:
-            data = os.read(conn.fileno(), 65536)
-        except OSError:
-            data = b""
-        if not data:
-            self._unregister(conn)
-            if kind in worker.splitters:
-                self.router.lines(worker.local_rank, kind, worker.splitters[kind].flush())
-        elif kind == "stack":
-            worker.stack.extend(data)
-        else:
-            self.router.lines(worker.local_rank, kind, worker.splitters[kind].feed(data))
-
-    def _read_control(self, worker: _Rank) -> None:
-        conn = worker.pipes["control"]
-        try:
-            message = _protocol.decode(conn.recv_bytes())
-        except (EOFError, OSError):
-            self._control_closed(worker)
-            return
-        except Exception as exc:
-            self.router.notice(
-                f"could not read a message from rank {worker.outcome.rank} "
-                f"({type(exc).__name__}: {exc})."
-            )
-            return
-        if isinstance(message, _protocol.Result):
-            self._read_result(worker, message)
-        else:
-            self._handle(worker, message)
-
-    def _handle(self, worker: _Rank, message: _protocol.Message) -> None:
+    def _handle(self, worker: Rank, message: _protocol.Message) -> None:
         rank, local = worker.outcome.rank, worker.local_rank
         match message:
             case _protocol.Hello(thread_ident=ident):
                 worker.thread_ident = ident
                 self._set_status(worker, "running")
             case _protocol.Reports(values=values):
-                self._add_reports(worker, values)
+                entries = worker.add_reports(values, self.reports, self.router)
+                if self.observer is not None and entries:
+                    self.observer.reports(local, entries)
             case _protocol.Progress(key=key, count=count, total=total):
                 if self.observer is not None:
                     self.observer.progress(local, key, count, total)
             case _protocol.Rendezvous(stage="enter", at=at, world_size=size, endpoint=where):
-                worker.rendezvous = _Rendezvous(at, False, size, where)
+                worker.rendezvous = Rendezvous(at, False, size, where)
                 self._rdzv_first = self._rdzv_first if self._rdzv_first is not None else at
             case _protocol.Rendezvous():
                 worker.rendezvous.done = True
@@ -329,52 +232,10 @@ class Supervisor:
                 self.imports.update(names)
             case _protocol.Failed():
                 worker.failure = message
+            case _protocol.Result():
+                pass  # the value was read with it (Rank.read_message)
             case _:  # pragma: no cover - decode() admits only the classes above
                 raise AssertionError(f"rank {rank}: unexpected {message!r}")
-
-    def _add_reports(self, worker: _Rank, values: tuple[_protocol.ReportValue, ...]) -> None:
-        rank, offset = worker.outcome.rank, time.time() - time.monotonic()
-        entries = []
-        for item in values:
-            try:
-                value = item.value()
-            except Exception as exc:  # one value the kernel cannot read costs only itself
-                self.router.notice(
-                    f"report({item.name!r}, ...) from rank {rank}: the kernel cannot read a "
-                    f"{item.type_name} ({type(exc).__name__}: {exc}). Report numbers, tensors, "
-                    "arrays or dicts/lists of those, or objects of classes the kernel imports."
-                )
-                continue
-            entries.append(
-                (item.name, self.reports.add(rank, item.name, item.step, item.at + offset, value))
-            )
-        if self.observer is not None and entries:
-            self.observer.reports(worker.local_rank, entries)
-
-    def _read_result(self, worker: _Rank, result: _protocol.Result) -> None:
-        try:
-            data = _protocol.read_raw(worker.pipes["control"], result.size)
-        except (EOFError, OSError):
-            # The worker died while sending its value (e.g. the OOM killer): its exit status
-            # tells the user what happened, not a bare EOFError from this loop.
-            self._control_closed(worker)
-            return
-        try:
-            worker.value = pickle.loads(data)
-            worker.result = result
-        except Exception as exc:
-            worker.failure = _protocol.Failed(
-                "UnpicklableResultError",
-                f"the kernel could not unpickle the value returned by rank "
-                f"{worker.outcome.rank} ({type(exc).__name__}: {exc}). Return plain data "
-                "(numbers, lists, dicts, tensors) or objects of classes the kernel can import.",
-                "",
-                time.monotonic(),
-            )
-
-    def _control_closed(self, worker: _Rank) -> None:
-        self._unregister(worker.pipes["control"])
-        worker.control_closed_at = time.monotonic()
 
     def _unregister(self, conn: Connection) -> None:
         with contextlib.suppress(KeyError, ValueError):
@@ -396,7 +257,7 @@ class Supervisor:
                 if control_done or now - (worker.exited_at or now) > DRAIN_AFTER_EXIT:
                     self._finalize(worker)
 
-    def _finalize(self, worker: _Rank) -> None:
+    def _finalize(self, worker: Rank) -> None:
         """Decide a finished worker's outcome (its control pipe is drained by now)."""
         out, code, failure = worker.outcome, worker.returncode, worker.failure
         out.duration = worker.result.duration if worker.result is not None else None
@@ -474,7 +335,7 @@ class Supervisor:
             raise self._rendezvous_error(limit)
 
     # ----------------------------------------------------------------- stacks
-    def _stacks(self, workers: list[_Rank]) -> dict[int, list[_diagnosis.Frame]]:
+    def _stacks(self, workers: list[Rank]) -> dict[int, list[_diagnosis.Frame]]:
         """Ask live workers for their Python stacks (SIGUSR1 → faulthandler) and parse them."""
         asked = []
         for worker in workers:
@@ -570,18 +431,7 @@ class Supervisor:
         frames = self._stacks(live)
         self._stop_all()
         self._drain_and_reap()
-        views = []
-        for worker in self.workers:
-            out = worker.outcome
-            if out.returned_at is not None and worker in live:
-                views.append(_diagnosis.StuckRank(out.rank, "teardown"))
-            elif worker.local_rank in frames:
-                stack = tuple(frames[worker.local_rank])
-                views.append(_diagnosis.StuckRank(out.rank, "blocked", frames=stack))
-            elif worker in live:
-                views.append(_diagnosis.StuckRank(out.rank, "starting"))
-            else:
-                views.append(_diagnosis.StuckRank(out.rank, "ended", outcome=out.describe()))
+        views = [w.stuck_view(w in live, frames.get(w.local_rank)) for w in self.workers]
         timeout = self.config.timeout or 0.0
         text, stacks = _diagnosis.timeout_report(timeout, views)
         outcomes = [w.outcome for w in self.workers]
@@ -593,28 +443,8 @@ class Supervisor:
         self._stop_all()
         self._drain_and_reap()
         now = time.monotonic()
-        views, stacks = [], {}
-        for worker in self.workers:
-            out, rdzv = worker.outcome, worker.rendezvous
-            here = frames.get(worker.local_rank)
-            if here is not None and rdzv.entered_at is None:
-                stacks[out.rank] = format_frames(here)
-            if worker in live and out.returned_at is None:
-                state = "running"
-            elif out.returned_at is not None or out.status == "ok":
-                state = "returned"
-            else:
-                state = out.describe()
-            waited = None if rdzv.entered_at is None else now - rdzv.entered_at
-            place = blocked_place(here) if here is not None else None
-            views.append(
-                _diagnosis.RendezvousView(
-                    out.rank, waited, rdzv.done, rdzv.world_size, rdzv.endpoint, state, place
-                )
-            )
-        text = _diagnosis.rendezvous_report(limit, len(self.workers), views)
-        for rank, stack in stacks.items():
-            text += f"\n\nStack of rank {rank} (most recent call last):\n{stack}"
+        views = [w.rendezvous_view(now, w in live, frames.get(w.local_rank)) for w in self.workers]
+        text, stacks = _diagnosis.rendezvous_report(limit, len(self.workers), views)
         outcomes = [w.outcome for w in self.workers]
         error = RendezvousTimeoutError(text, limit, stacks, outcomes, self._logs())
         return self._with_reports(error)

@@ -57,43 +57,43 @@ def test_timeout_hint_names_a_collective_only_when_a_rank_is_in_one():
     assert "init_process_group" in rendezvous and "collective (all_reduce" not in rendezvous
 
 
-def _view(rank, waited=None, done=False, world=None, endpoint=None, state="running", place=None):
-    return RendezvousView(rank, waited, done, world, endpoint, state, place)
+def _view(rank, waited=None, done=False, world=None, endpoint=None, state="running", frames=None):
+    return RendezvousView(rank, waited, done, world, endpoint, state, frames)
 
 
 def test_rendezvous_report_missing_rank():
-    text = rendezvous_report(
+    loading = (("/work/prepare.py", 3, "train"),)
+    text, stacks = rendezvous_report(
         5,
         2,
-        [
-            _view(0, waited=5.2, world=2, endpoint="127.0.0.1:29500"),
-            _view(1, place="`load_data()` at Cell In[4], line 3, in train"),
-        ],
+        [_view(0, waited=5.2, world=2, endpoint="127.0.0.1:29500"), _view(1, frames=loading)],
     )
     assert text.startswith("The ranks did not all join the process group within ")
     assert "rank 0 waited 5.2 s in init_process_group, world_size=2 at 127.0.0.1:29500" in text
     assert (
-        "rank 1 had not reached init_process_group after 5.2 s; it was at `load_data()` at "
-        "Cell In[4], line 3, in train" in text
+        "rank 1 had not reached init_process_group after 5.2 s; it was at prepare.py, line 3"
+        in text
     )
+    assert list(stacks) == [1] and 'File "/work/prepare.py", line 3, in train' in stacks[1]
+    assert text.endswith(stacks[1])
     assert "Likely cause: rank 1 had not called init_process_group" in text
     assert "larger rendezvous_timeout" in text
 
 
 def test_rendezvous_report_causes():
-    wrong_world = rendezvous_report(3, 2, [_view(0, 3.0, world=4), _view(1, 3.0, world=4)])
+    wrong_world, _ = rendezvous_report(3, 2, [_view(0, 3.0, world=4), _view(1, 3.0, world=4)])
     assert "asked for world_size 4, but this launch started 2 rank(s)" in wrong_world
     assert "had not called" not in wrong_world
 
-    addresses = rendezvous_report(
+    addresses, _ = rendezvous_report(
         3, 2, [_view(0, 3.0, world=2, endpoint="a:1"), _view(1, 3.0, world=2, endpoint="a:2")]
     )
     assert "different rendezvous addresses (a:1, a:2)" in addresses
 
-    returned = rendezvous_report(3, 2, [_view(0, 3.0, world=2), _view(1, state="returned")])
+    returned, _ = rendezvous_report(3, 2, [_view(0, 3.0, world=2), _view(1, state="returned")])
     assert "rank 1 never called init_process_group: its function returned" in returned
 
-    joined = rendezvous_report(3, 2, [_view(0, done=True), _view(1, 3.0)])
+    joined, _ = rendezvous_report(3, 2, [_view(0, done=True), _view(1, 3.0)])
     assert "rank 0 had joined the process group" in joined
 
 
