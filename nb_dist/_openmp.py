@@ -93,15 +93,22 @@ def release_pool() -> Release:
     return Release("released" if freed else "idle", freed)
 
 
-def pool_breaks_fork(threads: int) -> bool:
+_known_broken: set[int] = set()  # thread counts a probe found hanging (a kept pool stays)
+
+
+def pool_breaks_fork(threads: int, remember: bool = True) -> bool:
     """True if a forked child hangs in a parallel op with ``threads`` threads.
 
     Forks a throw-away child that runs one parallel op and reports back; a child that has not
-    answered within :data:`PROBE_DEADLINE` is killed, and the answer is yes.
+    answered within :data:`PROBE_DEADLINE` is killed, and the answer is yes. A yes is
+    remembered (``remember``): a pool that cannot be released stays alive, so later launches
+    do not wait for the deadline again.
     """
     torch = sys.modules.get("torch")
     if torch is None or libgomp_path() is None:
         return False
+    if remember and threads in _known_broken:
+        return True
     read_fd, write_fd = os.pipe()
     pid = os.fork()
     if pid == 0:  # the throw-away child: one parallel op, report, leave
@@ -121,6 +128,8 @@ def pool_breaks_fork(threads: int) -> bool:
         if not _reaped(pid):
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
+    if not answered and remember:
+        _known_broken.add(threads)
     return not answered
 
 

@@ -142,11 +142,11 @@ def test_release_pool_frees_this_threads_pool():
     try:
         torch.ones(1 << 20).add_(1.0).sum()  # starts this thread's pool (2 threads)
         # The probe sees the real hang: its child's parallel op never ends.
-        assert _openmp.pool_breaks_fork(2)
+        assert _openmp.pool_breaks_fork(2, remember=False)
         release = _openmp.release_pool()
         assert release.status == "released" and release.threads_freed >= 1
         assert _openmp.release_pool().status == "idle"  # nothing left to free
-        assert not _openmp.pool_breaks_fork(2)  # a fork is safe now
+        assert not _openmp.pool_breaks_fork(2, remember=False)  # a fork is safe now
         # The pool comes back at the next parallel op, and the result is right.
         assert torch.ones(1 << 20).add_(1.0).sum().item() == 2 * (1 << 20)
     finally:

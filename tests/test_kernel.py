@@ -167,8 +167,10 @@ def test_failure_shows_root_cause_with_cell_label(kernel, tmp_path):
             Path(tmp, f"pid{rank}").write_text(str(os.getpid()))
             dist.init_process_group("gloo")
             if rank == 1:
-                time.sleep(0.3)  # rank 0 is waiting in all_reduce by now
+                while not Path(tmp, "waiting0").exists():  # rank 0 is at its all_reduce
+                    time.sleep(0.005)
                 raise ValueError("boom")
+            Path(tmp, "waiting0").write_text("")
             dist.all_reduce(torch.ones(1))
             return rank
         """

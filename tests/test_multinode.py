@@ -95,8 +95,7 @@ def test_two_nodes_on_loopback_form_one_world(capsys, order):
     )
     try:
         if order == "node1_first":
-            _wait_for_workers(node1, 2, within=30)
-            time.sleep(0.5)
+            _wait_for_workers(node1, 2, within=30)  # node 1's ranks are up and connecting
         result = notebook_launcher(
             _allreduce_rank_plus_one,
             num_processes=2,
