@@ -73,7 +73,7 @@ class AttemptConfig:
     report_imports: bool = False
     payload: bytes | None = None
     linecache_entries: dict[str, Any] = field(default_factory=dict)
-    observer: Any = None  # a live view (the launch monitor), see nb_dist/monitor.py
+    observer: Any = None  # a live view (the launch monitor), see nb_dist/views/monitor.py
 
 
 @dataclass
