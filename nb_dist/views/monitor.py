@@ -208,4 +208,3 @@ class LaunchMonitor(_WidgetView):
             ax.legend(fontsize=8)
         self._plot.value = figure_png(fig, dpi=80)
         self._plot.layout.display = None
-
