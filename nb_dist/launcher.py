@@ -243,7 +243,7 @@ def _interrupted(nprocs: int) -> KeyboardInterrupt:
 
 def _open_monitor(ranks: list[int]) -> Any:
     """Display the live monitor in the cell, where a frontend may render it; else nothing."""
-    from .monitor import LaunchMonitor, kernel_frontend_possible
+    from .views.monitor import LaunchMonitor, kernel_frontend_possible
 
     if not kernel_frontend_possible():
         return None

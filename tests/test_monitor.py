@@ -12,7 +12,7 @@ from kernel_helpers import execute, start_kernel, stop_kernel
 
 import nb_dist
 from nb_dist import RankOutcome, ReportEntry, notebook_launcher
-from nb_dist.monitor import LaunchMonitor, kernel_frontend_possible
+from nb_dist.views.monitor import LaunchMonitor, kernel_frontend_possible
 
 WIDGET_KEY = "application/vnd.jupyter.widget-view+json"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -1,32 +1,80 @@
-"""The display protocol every view shares: text first, a widget or figure where a frontend is."""
+"""What every view and the launch monitor share: traitlets state, text first, a widget on demand.
+
+A view is a ``traitlets.HasTraits`` object: its settings are traits (with defaults and
+``@validate`` checks), its rendering follows them with ``@observe``, and its widget's controls
+are linked to them (``traitlets.link``), so nothing syncs a control by hand. ``repr(view)`` is the
+deterministic text summary; a Jupyter kernel also gets the widget (or a PNG of the figure).
+"""
 
 from __future__ import annotations
 
 import io
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from traitlets import HasTraits, Int, TraitError, link
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from ipywidgets import DOMWidget, VBox
+    from matplotlib.figure import Figure
+    from traitlets.utils.bunch import Bunch
 
 
 def _kernel_is_running() -> bool:
     """True inside a Jupyter kernel (where a frontend may render widgets), else False."""
     try:
-        from IPython import get_ipython
+        from IPython.core.interactiveshell import InteractiveShell
     except ImportError:  # pragma: no cover - IPython ships with ipykernel
         return False
-    shell = get_ipython()
-    return getattr(shell, "kernel", None) is not None
+    if not InteractiveShell.initialized():  # what IPython.get_ipython() checks
+        return False
+    return getattr(InteractiveShell.instance(), "kernel", None) is not None
 
 
-class _View:
+# ---- settings: traits whose errors name the parameter, its value and the fix -------------------
+
+
+class SettingTypeError(TraitError, TypeError):
+    """A view setting of the wrong type (a ``TypeError``, and a ``TraitError`` for traitlets)."""
+
+
+class SettingValueError(TraitError, ValueError):
+    """A view setting out of range (a ``ValueError``, and a ``TraitError`` for traitlets)."""
+
+
+class StrictInt(Int[int, int]):
+    """An ``Int`` trait that refuses bools and floats, saying which setting and how to fix it."""
+
+    def validate(self, obj: Any, value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise SettingTypeError(
+                f"{self.name}={value!r} must be an int (for example {self.name}=2)"
+            )
+        return value
+
+
+def at_least(proposal: Bunch, minimum: int) -> int:
+    """The body of a ``@validate`` handler: ``proposal.value`` if it is ``>= minimum``."""
+    value: int = proposal.value
+    if value < minimum:
+        raise SettingValueError(f"{proposal.trait.name}={value!r} must be >= {minimum}")
+    return value
+
+
+# ---- the views -----------------------------------------------------------------------------
+
+
+class _View(HasTraits):
     """Text-first display: ``repr(view)`` is the deterministic summary of what the view shows.
 
-    Subclasses implement :meth:`summary` and :meth:`figure`; ``_rich_bundle`` adds what a live
-    frontend can show on top of the text (a widget or a PNG).
+    Subclasses implement :meth:`summary`; ``_rich_bundle`` adds what a live frontend can show on
+    top of the text (a widget or a PNG), outside a kernel only when ``_rich_outside_kernel``.
     """
 
-    def summary(self) -> str:  # pragma: no cover - abstract
-        raise NotImplementedError
+    _rich_outside_kernel: ClassVar[bool] = False
 
-    def figure(self, **kwargs: Any) -> Any:  # pragma: no cover - abstract
+    def summary(self) -> str:  # pragma: no cover - abstract
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -35,46 +83,80 @@ class _View:
     def _rich_bundle(self) -> dict[str, Any]:
         return {}
 
-    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None, **kwargs: Any):
+    def _repr_mimebundle_(
+        self, include: Any = None, exclude: Any = None, **kwargs: Any
+    ) -> dict[str, Any]:
         """``text/plain`` is always the summary; frontends also get the widget or figure."""
         data: dict[str, Any] = {"text/plain": self.summary()}
-        if _kernel_is_running():
+        if self._rich_outside_kernel or _kernel_is_running():
             data.update(self._rich_bundle())
         return data
+
+    def _update(self, changes: Mapping[str, Any], settings: tuple[str, ...]) -> None:
+        """Set several ``settings`` at once: all are checked, or none is changed."""
+        unknown = sorted(set(changes) - set(settings))
+        if unknown:
+            raise TypeError(f"unknown setting(s) {unknown}; the settings are {list(settings)}")
+        with self.hold_trait_notifications():  # a refused value rolls the others back
+            for name, value in changes.items():
+                setattr(self, name, value)
 
 
 class _WidgetView(_View):
     """A view with an ipywidgets ``widget`` (built on first use) and a ``controls`` dict."""
 
-    _css_class = "nb-dist-view"
+    _css_class: ClassVar[str] = "nb-dist-view"
+    #: Classes the container gets before ``_css_class`` (the monitor is not a teaching view).
+    _container_classes: ClassVar[tuple[str, ...]] = ("nb-dist-view",)
 
-    def __init__(self) -> None:
-        self._widget: Any = None
-        self._controls: dict[str, Any] = {}
+    def __init__(self, **settings: Any) -> None:
+        self._widget: VBox | None = None  # first: setting a trait may already refresh
+        self._controls: dict[str, DOMWidget] = {}
+        super().__init__(**settings)
 
     @property
-    def widget(self) -> Any:
+    def widget(self) -> VBox:
         """The ipywidgets container (a ``VBox``); built the first time it is asked for."""
         if self._widget is None:
-            self._widget = self._build_widget()
-            self._widget.add_class("nb-dist-view")
-            self._widget.add_class(self._css_class)
+            widget = self._build_widget()
+            for css in (*self._container_classes, self._css_class):
+                widget.add_class(css)
+            self._widget = widget
         return self._widget
 
     @property
-    def controls(self) -> dict[str, Any]:
+    def controls(self) -> dict[str, DOMWidget]:
         """The widget's controls by name; setting ``controls[name].value`` updates the view."""
         _ = self.widget
         return self._controls
 
-    def _build_widget(self) -> Any:  # pragma: no cover - abstract
+    def _build_widget(self) -> VBox:  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def _add_control(self, name: str, control: Any) -> Any:
+    def _add_control(self, name: str, control: DOMWidget) -> DOMWidget:
         """Register ``control`` under ``name`` with stable CSS classes for browser tests."""
         control.add_class("nb-dist-control")
         control.add_class(f"{self._css_class}-{name.replace('_', '-')}")
         self._controls[name] = control
+        return control
+
+    def _link_control(self, name: str, control: DOMWidget) -> DOMWidget:
+        """Register ``control`` and link its ``value`` both ways to the trait ``name``.
+
+        The link is kernel-side (``traitlets.link``): the view is no widget, and its checks
+        run on every value a frontend sends. A bounded control's ``max`` grows first whenever
+        the trait goes past it (a slider would otherwise clamp the value it is given).
+        """
+        self._add_control(name, control)
+        if hasattr(control, "max"):
+
+            def grow(value: Any) -> None:
+                if value > control.max:
+                    control.max = value
+
+            grow(getattr(self, name))
+            self.observe(lambda change: grow(change.new), names=name)  # before the link's
+        link((self, name), (control, "value"))
         return control
 
     def _rich_bundle(self) -> dict[str, Any]:
@@ -86,18 +168,21 @@ class _WidgetView(_View):
 class _StaticView(_View):
     """A view without controls: text summary plus, in a kernel, the figure as a PNG."""
 
+    def figure(self) -> Figure:  # pragma: no cover - abstract
+        raise NotImplementedError
+
     def _rich_bundle(self) -> dict[str, Any]:
         return {"image/png": figure_png(self.figure())}
 
 
-def figure_png(fig: Any, dpi: int = 100) -> bytes:
+def figure_png(fig: Figure, dpi: int = 100) -> bytes:
     """Render a matplotlib ``Figure`` with Agg and return the PNG bytes."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
     return buf.getvalue()
 
 
-def _new_figure(width: float, height: float) -> Any:
+def _new_figure(width: float, height: float) -> Figure:
     """A ``matplotlib.figure.Figure`` on an Agg canvas (no pyplot, so nothing pops up)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure

@@ -25,9 +25,16 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ._display import _new_figure, _WidgetView, figure_png
+from traitlets import CBool, Unicode, observe, validate
+
+from ._display import SettingValueError, StrictInt, _new_figure, _WidgetView, figure_png
+
+if TYPE_CHECKING:
+    from ipywidgets import VBox
+    from matplotlib.figure import Figure
+    from traitlets.utils.bunch import Bunch
 from .colors import rank_color, text_color_on
 
 __all__ = ["AllReduceStepper", "RingStep", "chunk_bounds", "ring_allreduce_steps"]
@@ -207,6 +214,10 @@ class AllReduceStepper(_WidgetView):
 
     _css_class = "nb-dist-allreduce-stepper"
 
+    op = Unicode("sum", help='"sum", or "avg" (sum, then divide by N)')
+    step = StrictInt(0, help="the step shown (0 = before anything is sent)")
+    ring = CBool(False, help="draw the ring diagram (a PNG) in the widget")
+
     def __init__(
         self,
         buffers: Sequence[Any] | None = None,
@@ -220,11 +231,44 @@ class AllReduceStepper(_WidgetView):
         self.initial, tensor_itemsize = _as_lists(buffers)
         _check_buffers(self.initial)
         self.itemsize = itemsize or tensor_itemsize or 4
-        self.op = op
-        self.steps = ring_allreduce_steps(self.initial, op=op, itemsize=self.itemsize)
-        self.step = 0
-        self._syncing = False
+        self.steps = ring_allreduce_steps(self.initial, op=self.op, itemsize=self.itemsize)
+        self.op = op  # another op recomputes the steps (_op_changed)
         self.go_to(step)
+
+    @validate("op")
+    def _check_op(self, proposal: Bunch) -> str:
+        op: str = proposal.value
+        if op not in ("sum", "avg"):
+            raise SettingValueError(f"op={op!r} is not supported; use op='sum' or op='avg'")
+        return op
+
+    @validate("step")
+    def _check_step(self, proposal: Bunch) -> int:
+        step: int = proposal.value
+        if not 0 <= step <= self.num_steps:
+            raise SettingValueError(f"step={step!r} must be between 0 and {self.num_steps}")
+        return step
+
+    @observe("op")
+    def _op_changed(self, _change: Bunch) -> None:
+        """New steps for the new op; the position is kept (clamped to the new last step)."""
+        self.steps = ring_allreduce_steps(self.initial, op=self.op, itemsize=self.itemsize)
+        self.step = min(self.step, self.num_steps)  # before the controls' max can shrink
+        for name in ("play", "step"):
+            if name in self._controls:
+                self._controls[name].max = self.num_steps
+        self._refresh()
+
+    @observe("step", "ring")
+    def _refresh(self, _change: Bunch | None = None) -> None:
+        if self._widget is None:
+            return
+        self._html.value = self._html_view()
+        if self.ring:
+            self._image.value = figure_png(self.figure(), dpi=80)
+            self._image.layout.display = None
+        else:
+            self._image.layout.display = "none"
 
     # ---- model ------------------------------------------------------------------------------
 
@@ -239,11 +283,7 @@ class AllReduceStepper(_WidgetView):
 
     def go_to(self, step: int) -> AllReduceStepper:
         """Show ``step`` (0 = initial state, ``num_steps`` = finished)."""
-        if not 0 <= step <= self.num_steps:
-            raise ValueError(f"step={step!r} must be between 0 and {self.num_steps}")
         self.step = step
-        self._sync_controls()
-        self._refresh()
         return self
 
     def next(self) -> AllReduceStepper:
@@ -256,9 +296,8 @@ class AllReduceStepper(_WidgetView):
 
     def set_op(self, op: str) -> AllReduceStepper:
         """Switch between ``"sum"`` and ``"avg"`` (recomputes the steps, keeps the position)."""
-        self.steps = ring_allreduce_steps(self.initial, op=op, itemsize=self.itemsize)
         self.op = op
-        return self.go_to(min(self.step, self.num_steps))
+        return self
 
     def buffers(self, step: int | None = None) -> list[list[float]]:
         """Every rank's buffer after ``step`` (default: the current step)."""
@@ -340,7 +379,7 @@ class AllReduceStepper(_WidgetView):
 
     # ---- figure -----------------------------------------------------------------------------
 
-    def figure(self, step: int | None = None) -> Any:
+    def figure(self, step: int | None = None) -> Figure:
         """Ranks on a ring with their chunked buffers at ``step``, and bytes sent per rank.
 
         Chunks are coloured by the rank whose data they started from, with as many stripes as
@@ -499,14 +538,12 @@ class AllReduceStepper(_WidgetView):
 
     # ---- widget -----------------------------------------------------------------------------
 
-    def _build_widget(self) -> Any:
+    def _build_widget(self) -> VBox:
         import ipywidgets as w
 
-        add = self._add_control
-        play = add(
+        play = self._add_control(
             "play",
             w.Play(
-                value=self.step,
                 min=0,
                 max=self.num_steps,
                 step=1,
@@ -515,35 +552,31 @@ class AllReduceStepper(_WidgetView):
                 show_repeat=False,
             ),
         )
-        slider = add(
+        slider = self._link_control(
             "step",
-            w.IntSlider(
-                value=self.step,
-                min=0,
-                max=self.num_steps,
-                description="step",
-                continuous_update=True,
-            ),
+            w.IntSlider(min=0, max=self.num_steps, description="step", continuous_update=True),
         )
-        # jslink moves the slider in the browser while playing; the slider syncs back here.
+        # While playing, jslink moves the slider in the browser, and the slider's kernel-side
+        # link moves the view. Play itself only follows the view (dlink, after the slider's
+        # link): linking it both ways made the browser send each value back, so that
+        # go_to(3); go_to(6) in one cell ended at step 3.
         w.jslink((play, "value"), (slider, "value"))
-        nxt = add("next", w.Button(description="Step", tooltip="next step", icon="step-forward"))
-        reset = add("reset", w.Button(description="Reset", tooltip="back to step 0", icon="undo"))
-        op = add(
+        w.dlink((self, "step"), (play, "value"))
+        nxt = self._add_control(
+            "next", w.Button(description="Step", tooltip="next step", icon="step-forward")
+        )
+        reset = self._add_control(
+            "reset", w.Button(description="Reset", tooltip="back to step 0", icon="undo")
+        )
+        op = self._link_control(
             "op",
             w.ToggleButtons(
                 options=["sum", "avg"],
-                value=self.op,
                 description="op",
                 tooltips=["dist.all_reduce (SUM)", "sum, then divide by N"],
             ),
         )
-        ring = add("ring", w.Checkbox(value=False, description="ring diagram"))
-        slider.observe(self._on_slider, names="value")
-        op.observe(
-            lambda change: None if self._syncing else self.set_op(change["new"]), names="value"
-        )
-        ring.observe(lambda _change: self._refresh(), names="value")
+        ring = self._link_control("ring", w.Checkbox(description="ring diagram"))
         nxt.on_click(lambda _b: self.next())
         reset.on_click(lambda _b: self.reset())
         self._html = w.HTML(value=self._html_view())
@@ -555,36 +588,6 @@ class AllReduceStepper(_WidgetView):
         return w.VBox(
             [w.HBox([play, slider, nxt, reset]), w.HBox([op, ring]), self._html, self._image]
         )
-
-    def _on_slider(self, change: dict[str, Any]) -> None:
-        if not self._syncing:
-            self.go_to(change["new"])
-
-    def _sync_controls(self) -> None:
-        if not self._controls:
-            return
-        self._syncing = True
-        try:
-            for name in ("play", "step"):
-                self._controls[name].max = self.num_steps
-            # The slider first: in the browser jslink then moves Play to the same value and
-            # nothing comes back. Play first made jslink push each value into the slider and
-            # send it back here, so go_to(3); go_to(6) in one cell ended at step 3.
-            for name in ("step", "play"):
-                self._controls[name].value = self.step
-            self._controls["op"].value = self.op
-        finally:
-            self._syncing = False
-
-    def _refresh(self) -> None:
-        if self._widget is None:
-            return
-        self._html.value = self._html_view()
-        if self._controls["ring"].value:
-            self._image.value = figure_png(self.figure(), dpi=80)
-            self._image.layout.display = None
-        else:
-            self._image.layout.display = "none"
 
     def _html_view(self) -> str:
         """A table: one row per rank, one cell per chunk, sends highlighted."""

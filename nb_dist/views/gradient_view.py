@@ -21,9 +21,16 @@ The worker side is two lines, e.g. in a DDP loop::
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ._display import _new_figure, _WidgetView, figure_png
+from traitlets import Int, Unicode, observe, validate
+
+from ._display import SettingValueError, _new_figure, _WidgetView, figure_png
+
+if TYPE_CHECKING:
+    from ipywidgets import VBox
+    from matplotlib.figure import Figure
+    from traitlets.utils.bunch import Bunch
 from .colors import rank_color
 
 __all__ = ["GradientView"]
@@ -70,6 +77,10 @@ class GradientView(_WidgetView):
 
     _css_class = "nb-dist-gradient-view"
 
+    local_name = Unicode("grad/local", help="report name of the gradients before the sync")
+    synced_name = Unicode("grad/synced", help="report name of the gradients after the sync")
+    step = Int(None, allow_none=True, help="the reported step shown (None: the last)")
+
     def __init__(
         self,
         reports: Mapping[str, Mapping[int, list[Any]]],
@@ -78,17 +89,37 @@ class GradientView(_WidgetView):
         step: int | None = None,
     ) -> None:
         super().__init__()
-        for name in (local, synced):
-            if name not in reports:
-                known = ", ".join(repr(n) for n in sorted(reports)) or "none"
-                raise KeyError(
-                    f"GradientView: no reports named {name!r} (reported names: {known}). "
-                    f"Report them in the launched function with nb_dist.report({name!r}, grad)."
-                )
-        self.reports = reports
-        self.local_name = local
+        self.reports = reports  # first: the checks look names and steps up in it
+        self.local_name = local  # one by one, so that a default name is checked too
         self.synced_name = synced
         self.step = step
+
+    @validate("local_name", "synced_name")
+    def _check_name(self, proposal: Bunch) -> str:
+        name: str = proposal.value
+        if name not in self.reports:
+            known = ", ".join(repr(n) for n in sorted(self.reports)) or "none"
+            raise KeyError(
+                f"GradientView: no reports named {name!r} (reported names: {known}). "
+                f"Report them in the launched function with nb_dist.report({name!r}, grad)."
+            )
+        return name
+
+    @validate("step")
+    def _check_step(self, proposal: Bunch) -> int | None:
+        step: int | None = proposal.value
+        if step is not None and step not in self.steps():
+            raise SettingValueError(
+                f"step={step!r} is not a reported step of {self.local_name!r}; the reported "
+                f"steps are {self.steps()} (step=None shows the last)"
+            )
+        return step
+
+    @observe("step")
+    def _refresh(self, _change: Bunch | None = None) -> None:
+        if self._widget is not None:
+            self._image.value = figure_png(self.figure())
+            self._text.value = f"<pre>{self.summary()}</pre>"
 
     # ------------------------------------------------------------- model
     def steps(self) -> list[int]:
@@ -136,7 +167,7 @@ class GradientView(_WidgetView):
         steps = sorted({s for entries in series.values() for s, _ in entries})
         return [(step, _max_spread(_at_step(series, step))) for step in steps]
 
-    def divergence_figure(self, name: str, sync_every: int | None = None) -> Any:
+    def divergence_figure(self, name: str, sync_every: int | None = None) -> Figure:
         """Line of :meth:`divergence` over steps; synchronising steps marked if known."""
         data = self.divergence(name)
         fig = _new_figure(6.0, 2.8)
@@ -152,7 +183,7 @@ class GradientView(_WidgetView):
         return fig
 
     # ------------------------------------------------------------- drawing
-    def figure(self, **kwargs: Any) -> Any:
+    def figure(self) -> Figure:
         local, synced = self.local(), self.synced()
         ranks = list(local)
         fig = _new_figure(6.5, 1.2 + 1.6 * len(ranks))
@@ -181,32 +212,20 @@ class GradientView(_WidgetView):
         )
         return fig
 
-    def _build_widget(self) -> Any:
+    def _build_widget(self) -> VBox:
         import ipywidgets as widgets
 
-        steps = self.steps()
-        slider = self._add_control(
-            "step",
-            widgets.SelectionSlider(
-                options=steps,
-                value=self.step if self.step in steps else steps[-1],
-                description="step",
-            ),
+        if self.step is None:  # the slider shows a step: the last one
+            self.step = self.steps()[-1]
+        slider = self._link_control(
+            "step", widgets.SelectionSlider(options=self.steps(), description="step")
         )
-        image = widgets.Image(
+        self._image = widgets.Image(
             format="png",
             value=figure_png(self.figure()),
             # at its own size: a VBox stretches children to its width (a blurry plot)
             layout=widgets.Layout(align_self="flex-start", max_width="100%"),
         )
-        image.add_class(f"{self._css_class}-output")
-        text = widgets.HTML()
-
-        def render(change: Any = None) -> None:
-            self.step = slider.value
-            image.value = figure_png(self.figure())
-            text.value = f"<pre>{self.summary()}</pre>"
-
-        slider.observe(render, names="value")
-        render()
-        return widgets.VBox([slider, image, text])
+        self._image.add_class(f"{self._css_class}-output")
+        self._text = widgets.HTML(f"<pre>{self.summary()}</pre>")
+        return widgets.VBox([slider, self._image, self._text])

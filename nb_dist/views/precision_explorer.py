@@ -26,9 +26,16 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ._display import _new_figure, _StaticView, _WidgetView
+from traitlets import CFloat, List, observe, validate
+
+from ._display import SettingValueError, _new_figure, _StaticView, _WidgetView
+
+if TYPE_CHECKING:
+    from ipywidgets import VBox
+    from matplotlib.figure import Figure
+    from traitlets.utils.bunch import Bunch
 
 __all__ = [
     "FinfoRow",
@@ -281,29 +288,22 @@ class PrecisionExplorer(_WidgetView):
 
     _css_class = "nb-dist-precision-explorer"
 
+    value = CFloat(65000.0, help="the value to store")
+    factor = CFloat(2.0, help="also compute value * factor in each dtype")
+
     def __init__(self, value: float = 65000.0, factor: float = 2.0) -> None:
-        super().__init__()
-        self.value = float(value)
-        self.factor = float(factor)
-        self._syncing = False
+        super().__init__(value=value, factor=factor)
+
+    @observe("value", "factor")
+    def _refresh(self, _change: Bunch | None = None) -> None:
+        if self._widget is not None:
+            self._html.value = self._html_view()
 
     # ---- model ------------------------------------------------------------------------------
 
     def update(self, **changes: float) -> PrecisionExplorer:
-        """Change ``value`` and/or ``factor``, keeping the controls in sync."""
-        unknown = sorted(set(changes) - {"value", "factor"})
-        if unknown:
-            raise TypeError(f"unknown setting(s) {unknown}; the settings are ['value', 'factor']")
-        for name, v in changes.items():
-            setattr(self, name, float(v))
-        if self._controls:
-            self._syncing = True
-            try:
-                self._controls["value"].value = self.value
-                self._controls["factor"].value = self.factor
-            finally:
-                self._syncing = False
-        self._refresh()
+        """Change ``value`` and/or ``factor``; the controls follow."""
+        self._update(changes, ("value", "factor"))
         return self
 
     def representations(self) -> dict[str, Representation]:
@@ -372,7 +372,7 @@ class PrecisionExplorer(_WidgetView):
 
     # ---- figure -----------------------------------------------------------------------------
 
-    def figure(self) -> Any:
+    def figure(self) -> Figure:
         """Top: each dtype's range on a log scale with the value marked. Bottom: its bits."""
         from matplotlib.patches import Rectangle
 
@@ -448,28 +448,14 @@ class PrecisionExplorer(_WidgetView):
 
     # ---- widget -----------------------------------------------------------------------------
 
-    def _build_widget(self) -> Any:
+    def _build_widget(self) -> VBox:
         import ipywidgets as w
 
-        add = self._add_control
-        add("value", w.FloatText(value=self.value, description="value"))
-        add("factor", w.FloatText(value=self.factor, description="x factor"))
-        for control in self._controls.values():
-            control.observe(self._on_control, names="value")
+        self._link_control("value", w.FloatText(description="value"))
+        self._link_control("factor", w.FloatText(description="x factor"))
         self._html = w.HTML(value=self._html_view())
         self._html.add_class(f"{self._css_class}-output")
         return w.VBox([w.HBox(list(self._controls.values())), self._html])
-
-    def _on_control(self, change: dict[str, Any]) -> None:
-        if self._syncing:
-            return
-        name = next(k for k, v in self._controls.items() if v is change["owner"])
-        setattr(self, name, float(change["new"]))
-        self._refresh()
-
-    def _refresh(self) -> None:
-        if self._widget is not None:
-            self._html.value = self._html_view()
 
     def _html_view(self) -> str:
         import html
@@ -530,6 +516,10 @@ def scaler_step(scaler: Any, optimizer: Any) -> tuple[float, bool]:
     return scale, float(scaler.get_scale()) < scale
 
 
+def _as_trace(trace: Iterable[Sequence[Any]]) -> list[tuple[int, float, bool]]:
+    return [(int(s), float(scale), bool(skipped)) for s, scale, skipped in trace]
+
+
 def _as_loss_points(trace: Iterable[Any] | None) -> list[tuple[int, float]]:
     if trace is None:
         return []
@@ -553,17 +543,33 @@ class LossScaleView(_StaticView):
         fp16_loss: optional loss trace of the fp16 + GradScaler run, same formats.
     """
 
+    trace: List[tuple[int, float, bool]] = List(help="[(step, scale, skipped), ...]")
+    bf16_loss: List[tuple[int, float]] = List(help="[(step, loss), ...], bf16 without scaler")
+    fp16_loss: List[tuple[int, float]] = List(help="[(step, loss), ...], fp16 + GradScaler")
+
     def __init__(
         self,
         trace: Iterable[Sequence[Any]],
         bf16_loss: Iterable[Any] | None = None,
         fp16_loss: Iterable[Any] | None = None,
     ) -> None:
-        self.trace = [(int(s), float(scale), bool(skipped)) for s, scale, skipped in trace]
-        if not self.trace:
-            raise ValueError("trace is empty: record at least one (step, scale, skipped) tuple")
+        super().__init__()
+        self.trace = _as_trace(trace)
         self.bf16_loss = _as_loss_points(bf16_loss)
         self.fp16_loss = _as_loss_points(fp16_loss)
+
+    @validate("trace")
+    def _check_trace(self, proposal: Bunch) -> list[tuple[int, float, bool]]:
+        trace = _as_trace(proposal.value)
+        if not trace:
+            raise SettingValueError(
+                "trace is empty: record at least one (step, scale, skipped) tuple"
+            )
+        return trace
+
+    @validate("bf16_loss", "fp16_loss")
+    def _loss_points(self, proposal: Bunch) -> list[tuple[int, float]]:
+        return _as_loss_points(proposal.value)
 
     def skipped_steps(self) -> list[int]:
         """Steps whose optimizer update GradScaler skipped because gradients overflowed."""
@@ -616,7 +622,7 @@ class LossScaleView(_StaticView):
             )
         return "\n".join(lines)
 
-    def figure(self) -> Any:
+    def figure(self) -> Figure:
         """Left: scale per step on a log axis, skipped steps as red crosses. Right: the losses."""
         from matplotlib.ticker import MaxNLocator
 

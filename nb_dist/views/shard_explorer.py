@@ -21,10 +21,19 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
-from ._display import _new_figure, _short_list, _StaticView, _WidgetView
+from traitlets import CBool, observe, validate
+
+from ._display import StrictInt, _new_figure, _short_list, _StaticView, _WidgetView, at_least
 from .colors import DROPPED_COLOR, PADDING_EDGE_COLOR, rank_color, text_color_on
+
+if TYPE_CHECKING:
+    from ipywidgets import VBox
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+    from torch.utils.data import Dataset
+    from traitlets.utils.bunch import Bunch
 
 __all__ = ["ConsumedView", "ShardExplorer", "consumed_view", "sampler_assignments"]
 
@@ -47,14 +56,6 @@ class _IndexDataset:
         return index
 
 
-def _check_int(name: str, value: Any, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}={value!r} must be an int (for example {name}={max(minimum, 2)})")
-    if value < minimum:
-        raise ValueError(f"{name}={value!r} must be >= {minimum}")
-    return value
-
-
 def sampler_assignments(
     dataset_len: int,
     world_size: int,
@@ -72,10 +73,10 @@ def sampler_assignments(
     """
     from torch.utils.data import DistributedSampler
 
-    dataset = _IndexDataset(dataset_len)
+    dataset = cast("Dataset[int]", _IndexDataset(dataset_len))  # a sampler only needs len()
     result = {}
     for rank in range(world_size):
-        sampler = DistributedSampler(
+        sampler: DistributedSampler[int] = DistributedSampler(
             dataset,
             num_replicas=world_size,
             rank=rank,
@@ -113,6 +114,19 @@ def _fmt_index(index: int, padded: bool) -> str:
     return f"{index}*" if padded else str(index)
 
 
+#: The explorer's settings, in its constructor's order.
+_SETTINGS = (
+    "dataset_len",
+    "world_size",
+    "batch_size",
+    "shuffle",
+    "seed",
+    "epoch",
+    "drop_last",
+    "set_epoch",
+)
+
+
 class ShardExplorer(_WidgetView):
     """Explore how ``DistributedSampler`` splits a dataset over ranks, epoch by epoch.
 
@@ -128,24 +142,24 @@ class ShardExplorer(_WidgetView):
         set_epoch (`bool`): whether the loop calls ``sampler.set_epoch(epoch)``. When False the
             sampler stays at epoch 0, so every epoch repeats epoch 0's order.
 
-    Every attribute above can be changed with :meth:`update` or through the widget's
-    ``controls``; ``assignments()``, ``padding()``, ``dropped()`` and ``batches()`` recompute.
+    Every setting above is a trait: change it by assignment, with :meth:`update` or through
+    the widget's ``controls`` (linked to the traits); ``assignments()``, ``padding()``,
+    ``dropped()`` and ``batches()`` recompute.
 
     >>> ShardExplorer(dataset_len=10, world_size=3).assignments()
     {0: [0, 3, 6, 9], 1: [1, 4, 7, 0], 2: [2, 5, 8, 1]}
     """
 
     _css_class = "nb-dist-shard-explorer"
-    _FIELDS = (
-        "dataset_len",
-        "world_size",
-        "batch_size",
-        "shuffle",
-        "seed",
-        "epoch",
-        "drop_last",
-        "set_epoch",
-    )
+
+    dataset_len = StrictInt(10, help="number of samples in the dataset")
+    world_size = StrictInt(3, help="number of ranks (num_replicas)")
+    batch_size = StrictInt(2, help="per-rank batch size")
+    shuffle = CBool(False, help="the sampler's shuffle")
+    seed = StrictInt(0, help="the sampler's seed (the shuffle uses seed + epoch)")
+    epoch = StrictInt(0, help="the training loop's current epoch")
+    drop_last = CBool(False, help="the sampler's drop_last: drop the tail instead of padding")
+    set_epoch = CBool(True, help="whether the loop calls sampler.set_epoch(epoch)")
 
     def __init__(
         self,
@@ -158,30 +172,38 @@ class ShardExplorer(_WidgetView):
         drop_last: bool = False,
         set_epoch: bool = True,
     ) -> None:
-        super().__init__()
-        self.dataset_len = _check_int("dataset_len", dataset_len, 1)
-        self.world_size = _check_int("world_size", world_size, 1)
-        self.batch_size = _check_int("batch_size", batch_size, 1)
-        self.seed = _check_int("seed", seed, 0)
-        self.epoch = _check_int("epoch", epoch, 0)
-        self.shuffle = bool(shuffle)
-        self.drop_last = bool(drop_last)
-        self.set_epoch = bool(set_epoch)
-        self._syncing = False
+        super().__init__(
+            dataset_len=dataset_len,
+            world_size=world_size,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            seed=seed,
+            epoch=epoch,
+            drop_last=drop_last,
+            set_epoch=set_epoch,
+        )
+
+    @validate("dataset_len", "world_size", "batch_size")
+    def _at_least_one(self, proposal: Bunch) -> int:
+        return at_least(proposal, 1)
+
+    @validate("seed", "epoch")
+    def _not_negative(self, proposal: Bunch) -> int:
+        return at_least(proposal, 0)
+
+    @observe(*_SETTINGS)
+    def _refresh(self, _change: Bunch | None = None) -> None:
+        if self._widget is not None:
+            self._html.value = self._html_view()
 
     # ---- model ------------------------------------------------------------------------------
 
     def update(self, **changes: Any) -> ShardExplorer:
-        """Change settings, e.g. ``update(world_size=4, shuffle=True)``; the controls follow."""
-        unknown = sorted(set(changes) - set(self._FIELDS))
-        if unknown:
-            raise TypeError(f"unknown setting(s) {unknown}; the settings are {list(self._FIELDS)}")
-        minimums = {"dataset_len": 1, "world_size": 1, "batch_size": 1, "seed": 0, "epoch": 0}
-        for name, value in changes.items():
-            checked = _check_int(name, value, minimums[name]) if name in minimums else bool(value)
-            setattr(self, name, checked)
-        self._sync_controls()
-        self._refresh()
+        """Change settings, e.g. ``update(world_size=4, shuffle=True)``; the controls follow.
+
+        All the changes are checked first: a refused value leaves every setting as it was.
+        """
+        self._update(changes, _SETTINGS)
         return self
 
     @property
@@ -299,7 +321,7 @@ class ShardExplorer(_WidgetView):
 
     # ---- figure -----------------------------------------------------------------------------
 
-    def figure(self, epochs: int = 2) -> Any:
+    def figure(self, epochs: int = 2) -> Figure:
         """A matplotlib ``Figure``: dataset coverage, then each rank's strip for ``epochs`` epochs.
 
         The top row colours every sample by the rank that receives it (grey: dropped). Below, for
@@ -324,7 +346,15 @@ class ShardExplorer(_WidgetView):
 
         show_labels = width <= 80  # beyond that the numbers would not fit in the cells
 
-        def cell(ax, x, y, label, color, padded=False, dropped=False):
+        def cell(
+            ax: Axes,
+            x: float,
+            y: float,
+            label: str,
+            color: str,
+            padded: bool = False,
+            dropped: bool = False,
+        ) -> None:
             ax.add_patch(
                 Rectangle(
                     (x, y),
@@ -420,63 +450,24 @@ class ShardExplorer(_WidgetView):
 
     # ---- widget -----------------------------------------------------------------------------
 
-    def _build_widget(self) -> Any:
+    def _build_widget(self) -> VBox:
         import ipywidgets as w
 
         wide = {"description_width": "initial"}
-        add = self._add_control
-        add(
-            "dataset_len",
-            w.IntSlider(
-                value=self.dataset_len,
-                min=1,
-                max=max(64, self.dataset_len),
-                description="dataset length",
-                style=wide,
+        controls = {
+            "dataset_len": w.IntSlider(min=1, max=64, description="dataset length", style=wide),
+            "world_size": w.IntSlider(min=1, max=8, description="world size", style=wide),
+            "batch_size": w.IntSlider(min=1, max=16, description="batch size", style=wide),
+            "epoch": w.IntSlider(min=0, max=9, description="epoch", style=wide),
+            "seed": w.BoundedIntText(
+                min=0, max=2**31 - 1, description="seed", style=wide, layout=w.Layout(width="160px")
             ),
-        )
-        add(
-            "world_size",
-            w.IntSlider(
-                value=self.world_size,
-                min=1,
-                max=max(8, self.world_size),
-                description="world size",
-                style=wide,
-            ),
-        )
-        add(
-            "batch_size",
-            w.IntSlider(
-                value=self.batch_size,
-                min=1,
-                max=max(16, self.batch_size),
-                description="batch size",
-                style=wide,
-            ),
-        )
-        add(
-            "epoch",
-            w.IntSlider(
-                value=self.epoch, min=0, max=max(9, self.epoch), description="epoch", style=wide
-            ),
-        )
-        add(
-            "seed",
-            w.BoundedIntText(
-                value=self.seed,
-                min=0,
-                max=2**31 - 1,
-                description="seed",
-                style=wide,
-                layout=w.Layout(width="160px"),
-            ),
-        )
-        add("shuffle", w.Checkbox(value=self.shuffle, description="shuffle"))
-        add("drop_last", w.Checkbox(value=self.drop_last, description="drop_last"))
-        add("set_epoch", w.Checkbox(value=self.set_epoch, description="call set_epoch(epoch)"))
-        for name, control in self._controls.items():
-            control.observe(self._on_control, names="value")
+            "shuffle": w.Checkbox(description="shuffle"),
+            "drop_last": w.Checkbox(description="drop_last"),
+            "set_epoch": w.Checkbox(description="call set_epoch(epoch)"),
+        }
+        for name, control in controls.items():
+            self._link_control(name, control)
             control.tooltip = name
         self._html = w.HTML(value=self._html_view())
         self._html.add_class(f"{self._css_class}-output")
@@ -488,30 +479,6 @@ class ShardExplorer(_WidgetView):
                 self._html,
             ]
         )
-
-    def _on_control(self, change: dict[str, Any]) -> None:
-        if self._syncing:
-            return
-        name = next(k for k, v in self._controls.items() if v is change["owner"])
-        setattr(self, name, change["new"])
-        self._refresh()
-
-    def _sync_controls(self) -> None:
-        if not self._controls:
-            return
-        self._syncing = True
-        try:
-            for name, control in self._controls.items():
-                value = getattr(self, name)
-                if hasattr(control, "max") and value > control.max:
-                    control.max = value
-                control.value = value
-        finally:
-            self._syncing = False
-
-    def _refresh(self) -> None:
-        if self._widget is not None:
-            self._html.value = self._html_view()
 
     def _html_view(self) -> str:
         """The widget's body: coloured strips per rank for this epoch and the next."""
@@ -553,7 +520,7 @@ class ShardExplorer(_WidgetView):
             return rows
 
         coverage = []
-        owner = {}
+        owner: dict[int, int] = {}
         for rank, indices in assignments.items():
             for i in indices:
                 owner.setdefault(i, rank)
@@ -612,8 +579,11 @@ class ConsumedView(_StaticView):
     ``set_epoch`` does) and how many samples moved to another rank.
     """
 
+    dataset_len = StrictInt(0, read_only=True, help="the dataset's length")
+
     def __init__(self, indices_by_rank: Mapping[Any, Any], dataset_len: int) -> None:
-        self.dataset_len = _check_int("dataset_len", dataset_len, 0)
+        super().__init__()
+        self.set_trait("dataset_len", dataset_len)
         ranks = sorted(indices_by_rank.items(), key=lambda kv: int(kv[0]))
         self.per_epoch = any(isinstance(v, Mapping) for _r, v in ranks)
         #: ``{epoch: {rank: [indices]}}``; a single list is epoch 0.
@@ -635,6 +605,10 @@ class ConsumedView(_StaticView):
                     f"rank {rank} consumed indices outside range(dataset_len={self.dataset_len}): "
                     f"{bad[:5]}"
                 )
+
+    @validate("dataset_len")
+    def _not_negative(self, proposal: Bunch) -> int:
+        return at_least(proposal, 0)
 
     @property
     def epochs(self) -> list[int]:
@@ -720,7 +694,7 @@ class ConsumedView(_StaticView):
                 )
         return "\n".join(lines)
 
-    def figure(self) -> Any:
+    def figure(self) -> Figure:
         """A grid: one row per epoch, one cell per sample, coloured by the rank that took it.
 
         Each cell shows the sample's position in that rank's order (1 = its first sample of
@@ -781,10 +755,10 @@ class ConsumedView(_StaticView):
             ax.set_xticks([i + 0.5 for i in range(n)])
             ax.set_xticklabels([str(i) for i in range(n)], fontsize=8)
         else:
-            grid = [[(0.85, 0.85, 0.85)] * n for _ in epochs]
+            grid: list[list[tuple[float, ...]]] = [[(0.85, 0.85, 0.85)] * n for _ in epochs]
             for row, epoch in enumerate(epochs):
-                for i, takers in self._where(epoch).items():
-                    color = rank_color(takers[0]) if len(takers) == 1 else "#000000"
+                for i, ranks_of in self._where(epoch).items():
+                    color = rank_color(ranks_of[0]) if len(ranks_of) == 1 else "#000000"
                     grid[row][i] = tuple(int(color[j : j + 2], 16) / 255 for j in (1, 3, 5))
             ax.imshow(grid, aspect="auto", interpolation="nearest", extent=(0, n, len(epochs), 0))
         ax.set_xlim(0, n)

@@ -10,11 +10,20 @@ from __future__ import annotations
 
 import html
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from .errors import RankOutcome
-from .views._display import _new_figure, figure_png
-from .views.colors import rank_color
+from ._display import _kernel_is_running, _new_figure, _WidgetView, figure_png
+from .colors import rank_color
+
+if TYPE_CHECKING:
+    from ipywidgets import HTML, FloatProgress, VBox
+
+    from ..errors import RankOutcome
+
+__all__ = ["LaunchMonitor", "kernel_frontend_possible"]
+
+#: True in a Jupyter kernel, where a frontend may render widgets (the views' own check).
+kernel_frontend_possible = _kernel_is_running
 
 _STATUS_COLORS = {
     "starting": "#888888",
@@ -34,12 +43,20 @@ def _status_word(outcome_status: str) -> str:
     )
 
 
-class LaunchMonitor:
-    """A per-rank dashboard of a running launch (an ipywidgets ``VBox`` in ``.widget``)."""
+class LaunchMonitor(_WidgetView):
+    """A per-rank dashboard of a running launch (an ipywidgets ``VBox`` in ``.widget``).
+
+    Its state is plain lists, fed by the observer hooks many times a second and drawn at most
+    every ``_REFRESH_EVERY`` seconds by :meth:`refresh`: not traits, whose every change would
+    notify. The launcher displays it only in a kernel, so its bundle always has the widget.
+    """
+
+    _css_class = "nb-dist-monitor"
+    _container_classes = ()
+    _rich_outside_kernel: ClassVar[bool] = True
 
     def __init__(self, ranks: list[int]) -> None:
-        import ipywidgets as widgets
-
+        super().__init__()
         self.ranks = ranks
         self.status = ["starting"] * len(ranks)
         self.started_at = [time.monotonic()] * len(ranks)  # not `started`: that is a hook
@@ -53,8 +70,14 @@ class LaunchMonitor:
         self._last_refresh = 0.0
         self._last_plot = 0.0
 
-        self._rows = []
-        for local, rank in enumerate(ranks):
+        _ = self.widget  # built now: the hooks update its rows
+        self.refresh(force=True)
+
+    def _build_widget(self) -> VBox:
+        import ipywidgets as widgets
+
+        self._rows: list[tuple[VBox, HTML, FloatProgress, HTML]] = []
+        for local, rank in enumerate(self.ranks):
             label = widgets.HTML(
                 f'<b style="color:{rank_color(rank)}">rank {rank}</b>',
                 layout=widgets.Layout(width="70px"),
@@ -78,10 +101,8 @@ class LaunchMonitor:
             layout=widgets.Layout(display="none", align_self="flex-start", max_width="100%"),
         )
         self._plot.add_class("nb-dist-monitor-plot")
-        self._title = widgets.HTML(f"<b>nb_dist launch</b>: {len(ranks)} ranks")
-        self.widget = widgets.VBox([self._title, *(r[0] for r in self._rows), self._plot])
-        self.widget.add_class("nb-dist-monitor")
-        self.refresh(force=True)
+        self._title = widgets.HTML(f"<b>nb_dist launch</b>: {len(self.ranks)} ranks")
+        return widgets.VBox([self._title, *(r[0] for r in self._rows), self._plot])
 
     # ------------------------------------------------------------- observer hooks
     def started(self, local_rank: int) -> None:
@@ -131,14 +152,6 @@ class LaunchMonitor:
     # ------------------------------------------------------------- rendering
     def summary(self) -> str:
         return f"LaunchMonitor({len(self.ranks)} ranks)"
-
-    def __repr__(self) -> str:
-        return self.summary()
-
-    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None, **kwargs: Any):
-        bundle = dict(self.widget._repr_mimebundle_() or {})
-        bundle["text/plain"] = self.summary()  # deterministic, for nbval and plain frontends
-        return bundle
 
     def _set_state_class(self, local: int) -> None:
         row = self._rows[local][0]
@@ -195,12 +208,3 @@ class LaunchMonitor:
             ax.legend(fontsize=8)
         self._plot.value = figure_png(fig, dpi=80)
         self._plot.layout.display = None
-
-
-def kernel_frontend_possible() -> bool:
-    """True in a Jupyter kernel, where a frontend may render widgets."""
-    try:
-        from IPython import get_ipython
-    except ImportError:  # pragma: no cover
-        return False
-    return getattr(get_ipython(), "kernel", None) is not None
