@@ -35,7 +35,7 @@ import the launcher; and a breakdown of each launch: in every rank, timestamps (
 after the steps and after ``destroy_process_group``, and whether ``torch._dynamo`` was already
 there at entry; in the launching process for nb_dist, the launcher's own wait for a background
 import, the store's creation and the forks (wrappers around ``nb_dist._warm.wait``,
-``nb_dist.ports.open_store`` and ``Supervisor._start_all``, microseconds each).
+``nb_dist._ports.open_store`` and ``Supervisor._start_all``, microseconds each).
 
 A launch that takes longer than ``HANG_LIMIT`` is killed and counted as hung, not timed. The
 machine this was written on has 2 cores and other work on it: compare rows of one run.
@@ -165,7 +165,7 @@ class _Probe:
 
     def install(self) -> None:
         from nb_dist import _warm, ports
-        from nb_dist.supervisor import Supervisor
+        from nb_dist._supervisor import Supervisor
 
         def wrap(owner: Any, attr: str, label: str) -> None:
             original = getattr(owner, attr)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os as _os
 
-from .errors import (
+from ._errors import (
     LaunchError,
     LaunchTimeoutError,
     RankOutcome,
@@ -17,10 +17,10 @@ from .errors import (
     UnsafeLaunchError,
     WorkerFailedError,
 )
-from .launcher import notebook_launcher
-from .precision import autocast, autocast_dtype, mixed_precision, needs_grad_scaler
-from .preflight import install_cuda_touch_recorder as _install_cuda_touch_recorder
-from .reporting import (
+from ._launcher import notebook_launcher
+from ._precision import autocast, autocast_dtype, mixed_precision, needs_grad_scaler
+from ._preflight import install_cuda_touch_recorder as _install_cuda_touch_recorder
+from ._reporting import (
     ReportEntry,
     Reports,
     is_main_process,
@@ -32,7 +32,7 @@ from .reporting import (
     report,
     world_size,
 )
-from .result import LaunchResult
+from ._result import LaunchResult
 from .views import (
     AllReduceStepper,
     GradientView,

@@ -11,8 +11,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .errors import RankOutcome
-from .tracebacks import blocked_place, format_frames, relabel_cells
+from ._errors import RankOutcome
+from ._tracebacks import blocked_place, format_frames, relabel_cells
 
 Frame = tuple[str, int, str]  # (file, line, function), as parsed from a faulthandler dump
 

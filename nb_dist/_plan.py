@@ -29,12 +29,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _openmp, _warm, preflight
-from .errors import UnsafeLaunchError
-from .output import DEFAULT_PREFIX, OUTPUT_MODES, RICH_OUTPUT_MODES
-from .precision import normalize_mixed_precision
-from .tracebacks import cell_label
-from .worker import WorkerSpec
+from . import _openmp, _preflight, _warm
+from ._errors import UnsafeLaunchError
+from ._output import DEFAULT_PREFIX, OUTPUT_MODES, RICH_OUTPUT_MODES
+from ._precision import normalize_mixed_precision
+from ._tracebacks import cell_label
+from ._worker import WorkerSpec
 
 # How long the first rank to reach init_process_group waits for the others before the launch
 # is stopped with a report (torch itself would wait for minutes).
@@ -184,41 +184,41 @@ def make_plan(
     rich_output: str | int | Sequence[int],
 ) -> LaunchPlan:
     """Check everything in the order of the module docstring; return the plan."""
-    preflight.check_not_nested()
+    _preflight.check_not_nested()
     # 2. Each argument on its own.
-    preflight.check_function(function)
-    call_args = preflight.check_args(args)
+    _preflight.check_function(function)
+    call_args = _preflight.check_args(args)
     if num_processes is not None:
-        preflight.check_positive_int("num_processes", num_processes, _NPROCS_HINT)
+        _preflight.check_positive_int("num_processes", num_processes, _NPROCS_HINT)
     mixed = normalize_mixed_precision(mixed_precision)
-    nodes = preflight.check_positive_int("num_nodes", num_nodes, _NODES_HINT)
-    node = preflight.check_node_rank(node_rank, nodes)
+    nodes = _preflight.check_positive_int("num_nodes", num_nodes, _NODES_HINT)
+    node = _preflight.check_node_rank(node_rank, nodes)
     addr, port = _rendezvous_address(rdzv_endpoint, master_addr, use_port)
     _check_rdzv_backend(rdzv_backend, nodes)
     conf_timeout, notices = _read_rdzv_conf(rdzv_conf)
     restarts = _non_negative_int("max_restarts", max_restarts)
-    poll = preflight.check_seconds("monitor_interval", monitor_interval, default=0.1)
+    poll = _preflight.check_seconds("monitor_interval", monitor_interval, default=0.1)
     assert poll is not None
-    method = preflight.check_choice("start_method", start_method, preflight.START_METHODS)
-    limit = preflight.check_seconds("timeout", timeout)
-    output_mode = preflight.check_choice("output", output, OUTPUT_MODES)
+    method = _preflight.check_choice("start_method", start_method, _preflight.START_METHODS)
+    limit = _preflight.check_seconds("timeout", timeout)
+    output_mode = _preflight.check_choice("output", output, OUTPUT_MODES)
     _check_bool("init_process_group", init_process_group)
-    device = preflight.check_choice("device", device, preflight.DEVICES)
+    device = _preflight.check_choice("device", device, _preflight.DEVICES)
     if threads_per_process is not None:
-        preflight.check_positive_int("threads_per_process", threads_per_process, _THREADS_HINT)
-    hang_after = preflight.check_seconds("hang_notice_after", hang_notice_after)
+        _preflight.check_positive_int("threads_per_process", threads_per_process, _THREADS_HINT)
+    hang_after = _preflight.check_seconds("hang_notice_after", hang_notice_after)
     _check_bool("monitor", monitor)
     if rendezvous_timeout == "auto":
         auto = RENDEZVOUS_TIMEOUT if nodes == 1 else _MULTI_NODE_RENDEZVOUS
         rendezvous_timeout = conf_timeout if conf_timeout is not None else auto
-    rdzv_limit = preflight.check_seconds("rendezvous_timeout", rendezvous_timeout)
+    rdzv_limit = _preflight.check_seconds("rendezvous_timeout", rendezvous_timeout)
     _check_bool("warm_imports", warm_imports)
     rich = _rich_output(rich_output)
     # 3. Combinations.
     _check_multi_node(nodes, port, restarts)
     # 4. The kernel's state.
-    preflight.check_process_group()
-    preflight.check_accelerate_state()
+    _preflight.check_process_group()
+    _preflight.check_accelerate_state()
     # 5. Devices.
     use_gpu, nprocs = _devices(device, num_processes, method)
     if method == "fork" and "fork" not in multiprocessing.get_all_start_methods():
@@ -290,7 +290,7 @@ def _check_multi_node(num_nodes: int, port: int | None, restarts: int) -> None:
 
 def _devices(device: str, num_processes: int | None, method: str) -> tuple[bool, int]:
     """Whether ranks use GPUs, and how many ranks (``None``: one per GPU)."""
-    cuda = preflight.probe_cuda() if device != "cpu" else preflight.CudaState(0, False, None)
+    cuda = _preflight.probe_cuda() if device != "cpu" else _preflight.CudaState(0, False, None)
     use_gpu = device == "cuda" or (device == "auto" and cuda.gpus > 0)
     if use_gpu and cuda.gpus == 0:
         raise ValueError(
@@ -311,7 +311,7 @@ def _devices(device: str, num_processes: int | None, method: str) -> tuple[bool,
             "device='cpu'."
         )
     if use_gpu and cuda.poisoned and method == "fork":
-        raise preflight.cuda_poisoned_error(cuda)
+        raise _preflight.cuda_poisoned_error(cuda)
     return use_gpu, num_processes
 
 
@@ -352,7 +352,7 @@ def _read_rdzv_conf(conf: object) -> tuple[float | None, list[str]]:
     timeout = None
     for key in _RDZV_TIMEOUT_KEYS:
         if key in conf:
-            timeout = preflight.check_seconds(f"rdzv_conf[{key!r}]", conf[key])
+            timeout = _preflight.check_seconds(f"rdzv_conf[{key!r}]", conf[key])
             break
     ignored = sorted(str(k) for k in conf if k not in _RDZV_TIMEOUT_KEYS)
     notices = []
@@ -387,7 +387,7 @@ def _rendezvous_address(
 ) -> tuple[str, int | None]:
     if not isinstance(master_addr, str) or not master_addr:
         raise TypeError(f"master_addr={master_addr!r} must be a host name or IP address string.")
-    port = preflight.check_port(use_port)
+    port = _preflight.check_port(use_port)
     if endpoint:
         if not isinstance(endpoint, str) or ":" not in endpoint:
             raise ValueError(
@@ -397,7 +397,7 @@ def _rendezvous_address(
         host, _, endpoint_port = endpoint.rpartition(":")
         master_addr = host.strip("[]")
         try:
-            port = preflight.check_port(endpoint_port)
+            port = _preflight.check_port(endpoint_port)
         except ValueError:
             raise ValueError(
                 f"rdzv_endpoint={endpoint!r} has no valid port after the ':'. Use 'host:port' "

@@ -28,7 +28,7 @@ import warnings
 from multiprocessing.context import BaseContext
 from typing import Any, Protocol
 
-from .worker import WorkerChannels, WorkerSpec, forkserver_main, run_worker
+from ._worker import WorkerChannels, WorkerSpec, forkserver_main, run_worker
 
 
 class WorkerProcess(Protocol):
@@ -176,7 +176,7 @@ def _spawn(spec: WorkerSpec, channels: WorkerChannels) -> subprocess.Popen[bytes
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
     process = subprocess.Popen(
-        [sys.executable, "-c", "from nb_dist.worker import spawn_main; spawn_main()"],
+        [sys.executable, "-c", "from nb_dist._worker import spawn_main; spawn_main()"],
         stdin=subprocess.PIPE,
         stdout=fds["stdout"],
         stderr=fds["stderr"],

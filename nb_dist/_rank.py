@@ -15,10 +15,10 @@ from typing import Any
 
 from . import _protocol
 from ._diagnosis import Frame, RendezvousView, StuckRank
+from ._errors import RankOutcome, RankStatus
+from ._output import LineSplitter, OutputRouter
 from ._processes import WorkerProcess
-from .errors import RankOutcome, RankStatus
-from .output import LineSplitter, OutputRouter
-from .reporting import ReportEntry, Reports
+from ._reporting import ReportEntry, Reports
 
 FINAL: tuple[RankStatus, ...] = ("ok", "failed", "collateral", "stopped")
 PIPES = ("stdout", "stderr", "control", "stack")

@@ -97,16 +97,16 @@ def imported() -> list[str]:
 
 def _import_all(names: list[str]) -> None:
     global _disabled_because
-    from . import preflight
+    from . import _preflight
 
     for name in names:
         threads_before = _thread_count()
-        touched_before = preflight.cuda_touched()
+        touched_before = _preflight.cuda_touched()
         try:
             importlib.import_module(name)
         except BaseException:
             continue
-        if preflight.cuda_touched() and not touched_before:
+        if _preflight.cuda_touched() and not touched_before:
             _disabled_because = f"importing {name} touched CUDA"
             return
         if _thread_count() > threads_before:

@@ -13,7 +13,7 @@ import pytest
 from process_helpers import assert_all_gone
 
 import nb_dist
-from nb_dist.demo import TRAIN_POINTS, DemoSummary, run_demo
+from nb_dist._demo import TRAIN_POINTS, DemoSummary, run_demo
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # One row of the summary table: rank, loss, accuracy, samples.

@@ -17,8 +17,8 @@ import pytest
 
 import nb_dist
 from nb_dist import notebook_launcher
-from nb_dist.output import LineSplitter
-from nb_dist.tracebacks import (
+from nb_dist._output import LineSplitter
+from nb_dist._tracebacks import (
     blocked_place,
     format_frames,
     innermost_user_frame,
@@ -241,7 +241,7 @@ def test_line_splitter_invalid_utf8_is_replaced_not_fatal():
 # ----------------------------------------------------------------------------- tracebacks
 FAKE_LIB = "/opt/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
 NB_DIST_WORKER = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "nb_dist", "worker.py"
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "nb_dist", "_worker.py"
 )
 USER_LINE = _line_of("# a stand-in for the user" + "'s code")
 MAIN_IDENT = 0x7F1234567000
@@ -350,7 +350,7 @@ def test_innermost_user_frame_skips_library_and_launcher_frames():
 def test_blocked_place_names_a_hang_at_the_return_of_the_function():
     """A stack that ends at the worker's call of the function (no user frame) is a native hang
     while the function's locals are freed; other stacks without user code say so."""
-    worker_file = os.path.join(os.path.dirname(os.path.abspath(nb_dist.__file__)), "worker.py")
+    worker_file = os.path.join(os.path.dirname(os.path.abspath(nb_dist.__file__)), "_worker.py")
     inherited = [("/usr/lib/python3.11/runpy.py", 88, "_run_code")]
     at_return = [*inherited, (worker_file, 90, "run_worker"), (worker_file, 117, "_run")]
     place = blocked_place(at_return)

@@ -18,7 +18,7 @@ from .colors import rank_color
 if TYPE_CHECKING:
     from ipywidgets import HTML, FloatProgress, VBox
 
-    from ..errors import RankOutcome
+    from .._errors import RankOutcome
 
 __all__ = ["LaunchMonitor", "kernel_frontend_possible"]
 

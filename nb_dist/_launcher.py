@@ -2,7 +2,7 @@
 
 The function is the public signature and its documentation. What it does: check everything
 and decide (``_plan.make_plan``), then attempts, each with the kernel's rendezvous store and a
-:class:`~nb_dist.supervisor.Supervisor`, with restarts, then the result.
+:class:`~nb_dist._supervisor.Supervisor`, with restarts, then the result.
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import _openmp, _warm, ports
+from . import _openmp, _ports, _warm
+from ._errors import LaunchInterrupted, LaunchTimeoutError, WorkerFailedError
+from ._output import OutputRouter
 from ._plan import LaunchPlan, make_plan
-from .errors import LaunchInterrupted, LaunchTimeoutError, WorkerFailedError
-from .output import OutputRouter
-from .result import LaunchResult
-from .supervisor import AttemptResult, Supervisor
+from ._result import LaunchResult
+from ._supervisor import AttemptResult, Supervisor
 
 # How long workers may take to reach the rendezvous store (the store's client timeout).
 _STORE_TIMEOUT = 300.0
@@ -204,7 +204,7 @@ def _attempt(
     error_dir = tempfile.mkdtemp(prefix="nb_dist_errors_")
     try:
         if plan.node_rank == 0:
-            store = ports.open_store(plan.master_addr, plan.port, plan.world_size, _STORE_TIMEOUT)
+            store = _ports.open_store(plan.master_addr, plan.port, plan.world_size, _STORE_TIMEOUT)
         port = store.port if store is not None else plan.port or 0
         envs = [
             plan.worker_env(local, port, attempt, _error_file(error_dir, rank))
@@ -217,12 +217,12 @@ def _attempt(
             router.finish()
             if plan.warm_imports:
                 _warm.schedule(supervisor.imports)
-            ports.started_worker_pids.update(
+            _ports.started_worker_pids.update(
                 w.outcome.pid for w in supervisor.workers if w.outcome.pid
             )
     finally:
         if store is not None:
-            ports.forget_store(store)
+            _ports.forget_store(store)
             store = None  # drops the last reference: the server stops, the port is free
         shutil.rmtree(error_dir, ignore_errors=True)
 

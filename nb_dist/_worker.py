@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-from . import _protocol, reporting
+from . import _protocol, _reporting
 
 # Set in a worker so that a launch from inside a worker is refused (see preflight).
 WORKER_ENV_FLAG = "NB_DIST_WORKER_RANK"
@@ -106,7 +106,7 @@ def _run(spec: WorkerSpec, channels: WorkerChannels, forked: bool) -> int:
     control = channels.control
     main_ident = threading.main_thread().ident or threading.get_ident()
     _protocol.send(control, _protocol.Hello(os.getpid(), main_ident, time.monotonic()))
-    sink = reporting.install_sink(control, spec.rank)
+    sink = _reporting.install_sink(control, spec.rank)
     if forked:
         _forward_display(sink.send)
     _wait_for_gate(channels.gate)

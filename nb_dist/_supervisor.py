@@ -23,20 +23,20 @@ from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
 from . import _diagnosis, _processes, _protocol
-from ._plan import LaunchPlan
-from ._rank import FINAL, PIPES, Rank, Rendezvous
-from .errors import LaunchError as _LaunchError
-from .errors import (
+from ._errors import LaunchError as _LaunchError
+from ._errors import (
     LaunchTimeoutError,
     RankOutcome,
     RankStatus,
     RendezvousTimeoutError,
     WorkerFailedError,
 )
-from .output import OutputRouter
-from .reporting import Reports
-from .tracebacks import format_frames, parse_fault_dump, relabel_cells
-from .worker import WorkerChannels
+from ._output import OutputRouter
+from ._plan import LaunchPlan
+from ._rank import FINAL, PIPES, Rank, Rendezvous
+from ._reporting import Reports
+from ._tracebacks import format_frames, parse_fault_dump, relabel_cells
+from ._worker import WorkerChannels
 
 # How long a stopped worker gets between SIGTERM and SIGKILL; keeps "stopped within 1 s".
 STOP_GRACE = 0.4

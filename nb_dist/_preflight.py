@@ -14,9 +14,9 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import UnsafeLaunchError
-from .tracebacks import innermost_user_frame
-from .worker import WORKER_ENV_FLAG
+from ._errors import UnsafeLaunchError
+from ._tracebacks import innermost_user_frame
+from ._worker import WORKER_ENV_FLAG
 
 START_METHODS = ("fork", "spawn", "forkserver")
 DEVICES = ("auto", "cpu", "cuda")

@@ -78,7 +78,7 @@ def worker_frames(frames: list[tuple[str, int, str]]) -> list[tuple[str, int, st
     A forked worker's stack still holds the frames of whatever called the launcher in the
     kernel (IPython, pytest, ...) below nb_dist's worker entry: they are not the rank's work.
     """
-    worker_file = os.path.join(_PACKAGE_DIR, "worker.py")
+    worker_file = os.path.join(_PACKAGE_DIR, "_worker.py")
     entry = [i for i, f in enumerate(frames) if os.path.abspath(f[0]) == worker_file]
     return frames[entry[-1] + 1 :] if entry else frames
 
@@ -127,7 +127,7 @@ def blocked_place(frames: list[tuple[str, int, str]]) -> str:
     user = innermost_user_frame(frames)
     if user:
         return user
-    worker_file = os.path.join(_PACKAGE_DIR, "worker.py")
+    worker_file = os.path.join(_PACKAGE_DIR, "_worker.py")
     if frames and os.path.abspath(frames[-1][0]) == worker_file and frames[-1][2] == "_run":
         return (
             "the return from the function, in native code freeing its local variables (a "

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .errors import RankOutcome
-from .reporting import Reports
+from ._errors import RankOutcome
+from ._reporting import Reports
 
 
 class LaunchResult(list):  # type: ignore[type-arg]

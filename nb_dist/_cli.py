@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from . import __version__
-from .errors import LaunchError, UnsafeLaunchError
+from ._errors import LaunchError, UnsafeLaunchError
 
 
 def _parser(prog: str) -> argparse.ArgumentParser:
@@ -55,7 +55,7 @@ def _parser(prog: str) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None, prog: str = "nb-dist") -> int:
     args = _parser(prog).parse_args(argv)
-    from .demo import run_demo  # imports torch: keep --help and --version fast
+    from ._demo import run_demo  # imports torch: keep --help and --version fast
 
     try:
         summary = run_demo(

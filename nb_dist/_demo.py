@@ -21,7 +21,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .launcher import notebook_launcher
+from ._launcher import notebook_launcher
 
 NUM_FEATURES = 8
 NUM_CLASSES = 4
@@ -90,7 +90,7 @@ def train(epochs: int = 3, seed: int = 0, fail_rank: int | None = None) -> dict[
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-    from .precision import autocast, mixed_precision
+    from ._precision import autocast, mixed_precision
 
     dist.init_process_group("gloo")  # env:// : the launcher set RANK, WORLD_SIZE, MASTER_*
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -165,7 +165,7 @@ def train(epochs: int = 3, seed: int = 0, fail_rank: int | None = None) -> dict[
 def _accuracy(model: Any, x: Any, y: Any) -> float:
     import torch
 
-    from .precision import autocast
+    from ._precision import autocast
 
     model.eval()
     with torch.no_grad(), autocast("cpu"):

@@ -13,7 +13,7 @@ import os
 from datetime import timedelta
 from typing import Any
 
-from .errors import UnsafeLaunchError
+from ._errors import UnsafeLaunchError
 
 # Ports of launches from this kernel that are running now (a second launch from a thread).
 _ports_in_use_here: set[int] = set()
