@@ -164,7 +164,8 @@ class _Probe:
         self.events: list[tuple[str, float, float]] = []
 
     def install(self) -> None:
-        from nb_dist import _warm, ports
+        from nb_dist import _ports as ports
+        from nb_dist import _warm
         from nb_dist._supervisor import Supervisor
 
         def wrap(owner: Any, attr: str, label: str) -> None:

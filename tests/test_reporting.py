@@ -28,7 +28,7 @@ from nb_dist import (
     WorkerFailedError,
     notebook_launcher,
 )
-from nb_dist import reporting as reporting_module
+from nb_dist import _reporting as reporting_module
 from nb_dist.views import ring_allreduce_steps
 from nb_dist.views._display import figure_png
 
