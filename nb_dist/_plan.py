@@ -19,6 +19,7 @@ store the kernel opens for each attempt) and the attempt number are added per at
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import linecache
 import multiprocessing
@@ -185,7 +186,71 @@ def make_plan(
 ) -> LaunchPlan:
     """Check everything in the order of the module docstring; return the plan."""
     _preflight.check_not_nested()
-    # 2. Each argument on its own.
+    plan = _checked_arguments(
+        function, args, num_processes, mixed_precision, use_port, master_addr, node_rank,
+        num_nodes, rdzv_backend, rdzv_endpoint, rdzv_conf, rdzv_id, max_restarts,
+        monitor_interval, log_line_prefix_template, start_method, timeout, output,
+        init_process_group, device, threads_per_process, hang_notice_after, monitor,
+        rendezvous_timeout, warm_imports, rich_output,
+    )  # fmt: skip
+    _check_multi_node(plan.num_nodes, plan.port, plan.max_restarts)  # 3. Combinations.
+    _preflight.check_process_group()  # 4. The kernel's state.
+    _preflight.check_accelerate_state()
+    use_gpu, nprocs = _devices(plan.device, num_processes, plan.start_method)  # 5. Devices.
+    method = plan.start_method
+    if method == "fork" and "fork" not in multiprocessing.get_all_start_methods():
+        method = "spawn"  # e.g. Windows: no fork; spawn ships the function with cloudpickle
+    threads, notices = _threads(threads_per_process, nprocs), list(plan.notices)
+    if method == "fork":  # 6. Threads fork can give.
+        threads, notice = _fork_safe_threads(threads, explicit=threads_per_process is not None)
+        notices += [notice] if notice else []
+    warm_notice = _warm.take_notice()
+    # 7. Shipping the function to fresh processes.
+    payload = _pickle_for_spawn(plan.function, plan.args) if method != "fork" else None
+    return dataclasses.replace(
+        plan,
+        ranks=tuple(plan.node_rank * nprocs + local for local in range(nprocs)),
+        world_size=nprocs * plan.num_nodes,
+        start_method=method,
+        use_gpu=use_gpu,
+        threads=threads,
+        warm_imports=method == "fork" and plan.warm_imports and _warm.enabled(True),
+        payload=payload,
+        linecache_entries=_cell_sources() if payload is not None else {},
+        notices=tuple(notices + ([warm_notice] if warm_notice else [])),
+    )
+
+
+def _checked_arguments(
+    function: Callable[..., Any],
+    args: Sequence[Any],
+    num_processes: int | None,
+    mixed_precision: str,
+    use_port: int | str | None,
+    master_addr: str,
+    node_rank: int,
+    num_nodes: int,
+    rdzv_backend: str,
+    rdzv_endpoint: str,
+    rdzv_conf: dict[str, Any] | None,
+    rdzv_id: str,
+    max_restarts: int,
+    monitor_interval: float,
+    log_line_prefix_template: str | None,
+    start_method: str,
+    timeout: float | None,
+    output: str,
+    init_process_group: bool,
+    device: str,
+    threads_per_process: int | None,
+    hang_notice_after: float | None,
+    monitor: bool,
+    rendezvous_timeout: float | str | None,
+    warm_imports: bool,
+    rich_output: str | int | Sequence[int],
+) -> LaunchPlan:
+    """2. Each argument on its own, in the order of the signature: a plan whose ranks,
+    devices, threads and payload are not decided yet."""
     _preflight.check_function(function)
     call_args = _preflight.check_args(args)
     if num_processes is not None:
@@ -198,7 +263,6 @@ def make_plan(
     conf_timeout, notices = _read_rdzv_conf(rdzv_conf)
     restarts = _non_negative_int("max_restarts", max_restarts)
     poll = _preflight.check_seconds("monitor_interval", monitor_interval, default=0.1)
-    assert poll is not None
     method = _preflight.check_choice("start_method", start_method, _preflight.START_METHODS)
     limit = _preflight.check_seconds("timeout", timeout)
     output_mode = _preflight.check_choice("output", output, OUTPUT_MODES)
@@ -214,53 +278,16 @@ def make_plan(
     rdzv_limit = _preflight.check_seconds("rendezvous_timeout", rendezvous_timeout)
     _check_bool("warm_imports", warm_imports)
     rich = _rich_output(rich_output)
-    # 3. Combinations.
-    _check_multi_node(nodes, port, restarts)
-    # 4. The kernel's state.
-    _preflight.check_process_group()
-    _preflight.check_accelerate_state()
-    # 5. Devices.
-    use_gpu, nprocs = _devices(device, num_processes, method)
-    if method == "fork" and "fork" not in multiprocessing.get_all_start_methods():
-        method = "spawn"  # e.g. Windows: no fork; spawn ships the function with cloudpickle
-    # 6. Threads fork can give.
-    threads = _threads(threads_per_process, nprocs)
-    if method == "fork":
-        threads, notice = _fork_safe_threads(threads, explicit=threads_per_process is not None)
-        notices += [notice] if notice else []
-    warm_notice = _warm.take_notice()
-    # 7. Shipping the function to fresh processes.
-    payload = _pickle_for_spawn(function, call_args) if method != "fork" else None
     return LaunchPlan(
-        function=function,
-        args=call_args,
-        ranks=tuple(node * nprocs + local for local in range(nprocs)),
-        world_size=nprocs * nodes,
-        node_rank=node,
-        num_nodes=nodes,
-        master_addr=addr,
-        port=port,
-        rdzv_id=str(rdzv_id),
-        max_restarts=restarts,
-        start_method=method,
-        mixed_precision=mixed,
-        device=device,
-        use_gpu=use_gpu,
-        threads=threads,
-        init_process_group=init_process_group,
-        output=output_mode,
-        rich_output=rich,
-        prefix=log_line_prefix_template or DEFAULT_PREFIX,
-        timeout=limit,
-        rendezvous_timeout=rdzv_limit,
-        hang_notice_after=hang_after,
-        poll_interval=poll,
-        warm_imports=method == "fork" and _warm.enabled(warm_imports),
-        monitor=monitor,
-        payload=payload,
-        linecache_entries=_cell_sources() if payload is not None else {},
-        notices=tuple(notices + ([warm_notice] if warm_notice else [])),
-    )
+        function=function, args=call_args, ranks=(), world_size=0, node_rank=node,
+        num_nodes=nodes, master_addr=addr, port=port, rdzv_id=str(rdzv_id),
+        max_restarts=restarts, start_method=method, mixed_precision=mixed, device=device,
+        use_gpu=False, threads=None, init_process_group=init_process_group,
+        output=output_mode, rich_output=rich,
+        prefix=log_line_prefix_template or DEFAULT_PREFIX, timeout=limit,
+        rendezvous_timeout=rdzv_limit, hang_notice_after=hang_after, poll_interval=poll or 0.1,
+        warm_imports=warm_imports, monitor=monitor, notices=tuple(notices),
+    )  # fmt: skip
 
 
 _NPROCS_HINT = "For CPU training on a laptop, 2 to 4 is a good choice."

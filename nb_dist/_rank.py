@@ -6,19 +6,22 @@ lines for the cell, stack dumps, protocol messages, and its returned value.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import pickle
+import signal
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
 from . import _protocol
-from ._diagnosis import Frame, RendezvousView, StuckRank
+from ._diagnosis import Frame, RendezvousView, StuckRank, ended_without_value
 from ._errors import RankOutcome, RankStatus
 from ._output import LineSplitter, OutputRouter
-from ._processes import WorkerProcess
+from ._processes import WorkerProcess, signal_name
 from ._reporting import ReportEntry, Reports
+from ._tracebacks import format_frames, parse_fault_dump, relabel_cells
 
 FINAL: tuple[RankStatus, ...] = ("ok", "failed", "collateral", "stopped")
 PIPES = ("stdout", "stderr", "control", "stack")
@@ -61,6 +64,52 @@ class Rank:
     @property
     def finished(self) -> bool:
         return self.outcome.status in FINAL
+
+    def open_pipes(self) -> dict[str, Connection]:
+        """Create this rank's four pipes; keep the read ends, return the write ends."""
+        ends = {kind: multiprocessing.Pipe(duplex=False) for kind in PIPES}
+        self.pipes = {kind: reader for kind, (reader, _) in ends.items()}
+        return {kind: writer for kind, (_, writer) in ends.items()}
+
+    def settle(self) -> RankStatus:
+        """Record how the finished worker ended (exit status, exception, duration); the
+        status that follows from it."""
+        out, code, failure = self.outcome, self.returncode, self.failure
+        out.duration = self.result.duration if self.result is not None else None
+        if code is not None and code < 0:
+            out.signal_name = signal_name(-code)
+        elif code is not None:
+            out.exit_code = code
+        if failure is not None:
+            out.exc_type, out.message, out.failed_at = failure.exc_type, failure.message, failure.at
+            out.traceback = relabel_cells(failure.traceback)
+            return "failed"
+        if self.result is not None and code == 0:
+            return "ok"
+        if self.stop_requested:
+            return "stopped"
+        out.failed_at = self.control_closed_at or self.exited_at
+        out.message = ended_without_value(code, out.signal_name)
+        return "failed"
+
+    def ask_for_stack(self) -> bool:
+        """Ask the worker for its Python stack (SIGUSR1 → faulthandler); False if it cannot
+        answer (only workers that said hello have faulthandler, SIGUSR1 would kill others)."""
+        if not (self.alive and self.thread_ident is not None and self.process is not None):
+            return False
+        self.stack.clear()
+        try:
+            os.kill(self.process.pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def read_stack(self) -> list[Frame]:
+        """The stack the worker dumped (its function's thread), also kept on the outcome."""
+        dump = self.stack.decode("utf-8", "replace")
+        frames = parse_fault_dump(dump, self.thread_ident)
+        self.outcome.stack = format_frames(frames)
+        return frames
 
     def read_stream(self, kind: str, router: OutputRouter) -> bool:
         """Read what is waiting on ``stdout``/``stderr``/``stack``; False once it closed."""
@@ -111,6 +160,47 @@ class Rank:
                 time.monotonic(),
             )
         return True
+
+    def handle(
+        self,
+        message: _protocol.Message,
+        router: OutputRouter,
+        observer: Any,
+        reports: Reports,
+        imports: set[str],
+    ) -> RankStatus | None:
+        """Act on one control message; the status it moves this rank to, if any."""
+        local = self.local_rank
+        match message:
+            case _protocol.Hello(thread_ident=ident):
+                self.thread_ident = ident
+                return "running"
+            case _protocol.Reports(values=values):
+                entries = self.add_reports(values, reports, router)
+                if observer is not None and entries:
+                    observer.reports(local, entries)
+            case _protocol.Progress(key=key, count=count, total=total):
+                if observer is not None:
+                    observer.progress(local, key, count, total)
+            case _protocol.Rendezvous(stage="enter", at=at, world_size=size, endpoint=where):
+                self.rendezvous = Rendezvous(at, False, size, where)
+            case _protocol.Rendezvous():
+                self.rendezvous.done = True
+            case _protocol.Display(data=data, metadata=meta, display_id=ident, update=update):
+                router.display(local, data, meta, ident, update)
+            case _protocol.ClearOutput(wait=wait):
+                router.clear_output(local, wait)
+            case _protocol.Returned(at=at):
+                self.outcome.returned_at = at
+            case _protocol.Imports(names=names):
+                imports.update(names)
+            case _protocol.Failed():
+                self.failure = message
+            case _protocol.Result():
+                pass  # the value was read with it (read_message)
+            case _:  # pragma: no cover - decode() admits only the classes above
+                raise AssertionError(f"rank {self.outcome.rank}: unexpected {message!r}")
+        return None
 
     def add_reports(
         self, values: tuple[_protocol.ReportValue, ...], reports: Reports, router: OutputRouter

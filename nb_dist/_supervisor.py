@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
-import os
 import selectors
 import signal
 import time
@@ -33,9 +32,8 @@ from ._errors import (
 )
 from ._output import OutputRouter
 from ._plan import LaunchPlan
-from ._rank import FINAL, PIPES, Rank, Rendezvous
+from ._rank import FINAL, Rank
 from ._reporting import Reports
-from ._tracebacks import format_frames, parse_fault_dump, relabel_cells
 from ._worker import WorkerChannels
 
 # How long a stopped worker gets between SIGTERM and SIGKILL; keeps "stopped within 1 s".
@@ -78,7 +76,6 @@ class Supervisor:
         self._first_finish: float | None = None
         self._hang_noticed: set[int] = set()
         self._failure_seen = False
-        self._rdzv_first: float | None = None
         self._rdzv_complete = False
 
     # ----------------------------------------------------------------- the attempt
@@ -143,18 +140,15 @@ class Supervisor:
         kernel_ends: tuple[Connection, ...],
     ) -> None:
         cfg = self.config
-        ends = {kind: multiprocessing.Pipe(duplex=False) for kind in PIPES}
-        worker.pipes = {kind: reader for kind, (reader, _) in ends.items()}
-        channels = WorkerChannels(
-            **{k: w for k, (_, w) in ends.items()}, lifeline=lifeline, gate=gate
-        )
+        writers = worker.open_pipes()
+        channels = WorkerChannels(**writers, lifeline=lifeline, gate=gate)
         kernel_fds = [c.fileno() for w in self.workers for c in w.pipes.values()]
         kernel_fds += [conn.fileno() for conn in kernel_ends]
         spec = cfg.worker_spec(worker.local_rank, self.worker_env[worker.local_rank], kernel_fds)
         try:
             worker.process = _processes.start(cfg.start_method, spec, channels, context)
         finally:
-            for _, writer in ends.values():
+            for writer in writers.values():  # the worker has its own copies now
                 writer.close()
         worker.outcome.pid = worker.process.pid
         for kind, reader in worker.pipes.items():
@@ -205,37 +199,9 @@ class Supervisor:
                 self._handle(worker, message)
 
     def _handle(self, worker: Rank, message: _protocol.Message) -> None:
-        rank, local = worker.outcome.rank, worker.local_rank
-        match message:
-            case _protocol.Hello(thread_ident=ident):
-                worker.thread_ident = ident
-                self._set_status(worker, "running")
-            case _protocol.Reports(values=values):
-                entries = worker.add_reports(values, self.reports, self.router)
-                if self.observer is not None and entries:
-                    self.observer.reports(local, entries)
-            case _protocol.Progress(key=key, count=count, total=total):
-                if self.observer is not None:
-                    self.observer.progress(local, key, count, total)
-            case _protocol.Rendezvous(stage="enter", at=at, world_size=size, endpoint=where):
-                worker.rendezvous = Rendezvous(at, False, size, where)
-                self._rdzv_first = self._rdzv_first if self._rdzv_first is not None else at
-            case _protocol.Rendezvous():
-                worker.rendezvous.done = True
-            case _protocol.Display(data=data, metadata=meta, display_id=ident, update=update):
-                self.router.display(local, data, meta, ident, update)
-            case _protocol.ClearOutput(wait=wait):
-                self.router.clear_output(local, wait)
-            case _protocol.Returned(at=at):
-                worker.outcome.returned_at = at
-            case _protocol.Imports(names=names):
-                self.imports.update(names)
-            case _protocol.Failed():
-                worker.failure = message
-            case _protocol.Result():
-                pass  # the value was read with it (Rank.read_message)
-            case _:  # pragma: no cover - decode() admits only the classes above
-                raise AssertionError(f"rank {rank}: unexpected {message!r}")
+        status = worker.handle(message, self.router, self.observer, self.reports, self.imports)
+        if status is not None:
+            self._set_status(worker, status)
 
     def _unregister(self, conn: Connection) -> None:
         with contextlib.suppress(KeyError, ValueError):
@@ -259,25 +225,10 @@ class Supervisor:
 
     def _finalize(self, worker: Rank) -> None:
         """Decide a finished worker's outcome (its control pipe is drained by now)."""
-        out, code, failure = worker.outcome, worker.returncode, worker.failure
-        out.duration = worker.result.duration if worker.result is not None else None
-        if code is not None and code < 0:
-            out.signal_name = _processes.signal_name(-code)
-        elif code is not None:
-            out.exit_code = code
-        if failure is not None:
-            out.exc_type, out.message, out.failed_at = failure.exc_type, failure.message, failure.at
-            out.traceback = relabel_cells(failure.traceback)
-            self._set_status(worker, "failed")
-        elif worker.result is not None and code == 0:
+        status = worker.settle()
+        if status == "ok":
             self._first_finish = self._first_finish or time.monotonic()
-            self._set_status(worker, "ok")
-        elif worker.stop_requested:
-            self._set_status(worker, "stopped")
-        else:
-            out.failed_at = worker.control_closed_at or worker.exited_at
-            out.message = _diagnosis.ended_without_value(code, out.signal_name)
-            self._set_status(worker, "failed")
+        self._set_status(worker, status)
 
     def _flush_stale_partials(self) -> None:
         now = time.monotonic()
@@ -325,26 +276,20 @@ class Supervisor:
     def _check_rendezvous(self) -> None:
         """Stop a rendezvous that has not completed ``rendezvous_timeout`` s after it began."""
         limit = self.config.rendezvous_timeout
-        if limit is None or self._rdzv_first is None or self._rdzv_complete:
+        entered = [w.rendezvous.entered_at for w in self.workers if w.rendezvous.entered_at]
+        if limit is None or not entered or self._rdzv_complete:
             return
         if self._failure_seen:
             return  # a rank failed: the failure report explains, not the rendezvous
         if all(w.rendezvous.done for w in self.workers):
             self._rdzv_complete = True
-        elif time.monotonic() - self._rdzv_first >= limit:
+        elif time.monotonic() - min(entered) >= limit:
             raise self._rendezvous_error(limit)
 
     # ----------------------------------------------------------------- stacks
     def _stacks(self, workers: list[Rank]) -> dict[int, list[_diagnosis.Frame]]:
         """Ask live workers for their Python stacks (SIGUSR1 → faulthandler) and parse them."""
-        asked = []
-        for worker in workers:
-            # Only workers that said hello have faulthandler installed; SIGUSR1 would kill others.
-            if worker.alive and worker.thread_ident is not None and worker.process is not None:
-                worker.stack.clear()
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(worker.process.pid, signal.SIGUSR1)
-                    asked.append(worker)
+        asked = [worker for worker in workers if worker.ask_for_stack()]
         deadline = time.monotonic() + 0.5
         quiet_since: float | None = None
         while asked and time.monotonic() < deadline:
@@ -356,12 +301,7 @@ class Supervisor:
                     break
             else:
                 quiet_since = None
-        stacks = {}
-        for worker in asked:
-            dump = worker.stack.decode("utf-8", "replace")
-            stacks[worker.local_rank] = parse_fault_dump(dump, worker.thread_ident)
-            worker.outcome.stack = format_frames(stacks[worker.local_rank])
-        return stacks
+        return {worker.local_rank: worker.read_stack() for worker in asked}
 
     # ----------------------------------------------------------------- stop
     def _stop_all(self) -> None:
@@ -426,11 +366,16 @@ class Supervisor:
         message = _diagnosis.failure_message(root, outcomes, logs[root.local_rank])
         return self._raise(WorkerFailedError(message, root, outcomes, logs))
 
-    def _timeout_error(self) -> LaunchTimeoutError:
+    def _stop_with_stacks(self) -> tuple[list[Rank], dict[int, list[_diagnosis.Frame]]]:
+        """Take the stacks of the live ranks, then stop everything: (who was live, stacks)."""
         live = [w for w in self.workers if w.alive]
         frames = self._stacks(live)
         self._stop_all()
         self._drain_and_reap()
+        return live, frames
+
+    def _timeout_error(self) -> LaunchTimeoutError:
+        live, frames = self._stop_with_stacks()
         views = [w.stuck_view(w in live, frames.get(w.local_rank)) for w in self.workers]
         timeout = self.config.timeout or 0.0
         text, stacks = _diagnosis.timeout_report(timeout, views)
@@ -438,10 +383,7 @@ class Supervisor:
         return self._with_reports(LaunchTimeoutError(text, timeout, stacks, outcomes, self._logs()))
 
     def _rendezvous_error(self, limit: float) -> RendezvousTimeoutError:
-        live = [w for w in self.workers if w.alive]
-        frames = self._stacks(live)
-        self._stop_all()
-        self._drain_and_reap()
+        live, frames = self._stop_with_stacks()
         now = time.monotonic()
         views = [w.rendezvous_view(now, w in live, frames.get(w.local_rank)) for w in self.workers]
         text, stacks = _diagnosis.rendezvous_report(limit, len(self.workers), views)

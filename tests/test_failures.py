@@ -167,6 +167,7 @@ def _fail_first_attempt(tmp):
     attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     Path(tmp, f"attempt{attempt}-rank{rank}").touch()
     if attempt == 0 and rank == 1:
+        _await(tmp, "attempt0-rank0")  # rank 0 ran too before this attempt fails
         raise RuntimeError("flaky first attempt")
     return (rank, attempt)
 
