@@ -53,17 +53,27 @@ class Release:
     threads_freed: int = 0
 
 
-def libgomp_path() -> str | None:
-    """The file of the GNU OpenMP runtime loaded in this process, if any."""
+def libgomp_paths() -> list[str]:
+    """Every GNU OpenMP runtime loaded in this process (torch's own, and e.g. the system's one
+    that another library brought); a replaced file shows as ``... (deleted)``."""
+    found: list[str] = []
     try:
         with open("/proc/self/maps") as maps:
             for line in maps:
-                path = line.rsplit(" ", 1)[-1].strip()
-                if os.path.basename(path).startswith("libgomp"):
-                    return path
+                fields = line.rstrip("\n").split(maxsplit=5)
+                path = fields[5] if len(fields) == 6 else ""
+                name = os.path.basename(path.removesuffix(" (deleted)"))
+                if "libgomp" in name and path not in found:
+                    found.append(path)
     except OSError:
-        return None
-    return None
+        return []
+    return found
+
+
+def libgomp_path() -> str | None:
+    """The first GNU OpenMP runtime loaded in this process, if any."""
+    paths = libgomp_paths()
+    return paths[0] if paths else None
 
 
 def _thread_count() -> int:
@@ -77,18 +87,21 @@ def release_pool() -> Release:
     """Free the calling thread's OpenMP pool so that a fork of this thread is safe."""
     if os.environ.get(RELEASE_ENV, "").strip().lower() in ("0", "false", "no", "off"):
         return Release("disabled")
-    path = libgomp_path()
-    if path is None:
+    paths = libgomp_paths()
+    if not paths:
         return Release("absent")
-    try:
-        pause = ctypes.CDLL(path).omp_pause_resource_all
-    except (OSError, AttributeError):
-        return Release("unsupported")
-    pause.argtypes = [ctypes.c_int]
-    pause.restype = ctypes.c_int
     before = _thread_count()
-    if pause(_OMP_PAUSE_HARD) != 0:
-        return Release("unsupported")
+    for path in paths:  # each runtime has a pool of its own
+        if path.endswith(" (deleted)"):
+            return Release("unsupported")  # the file was replaced: cannot be opened again
+        try:
+            pause = ctypes.CDLL(path).omp_pause_resource_all
+        except (OSError, AttributeError):
+            return Release("unsupported")
+        pause.argtypes = [ctypes.c_int]
+        pause.restype = ctypes.c_int
+        if pause(_OMP_PAUSE_HARD) != 0:
+            return Release("unsupported")
     freed = max(0, before - _thread_count())
     return Release("released" if freed else "idle", freed)
 

@@ -463,9 +463,11 @@ def _fork_safe_threads(threads: int | None, explicit: bool) -> tuple[int | None,
     thread (or refuses an explicit ``threads_per_process > 1``).
     """
     wanted = threads if threads is not None else _kernel_threads()
+    # Released whatever the threads: the function may raise its own thread count later
+    # (torch.set_num_threads), and a kept pool would hang it then. About a millisecond.
+    release = _openmp.release_pool()
     if wanted <= 1:
         return threads, None
-    release = _openmp.release_pool()
     if release.status in ("released", "idle", "absent"):
         return threads, _openmp.release_notice(release, wanted)
     if not _openmp.pool_breaks_fork(wanted):

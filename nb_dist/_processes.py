@@ -138,6 +138,7 @@ def _fork(spec: WorkerSpec, channels: WorkerChannels) -> int:
     # Block SIGINT across the fork: a KeyboardInterrupt raised in the child before it reaches
     # run_worker would unwind a copy of the kernel through the cell's code.
     old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    pid = -1
     try:
         with warnings.catch_warnings():
             # Python >= 3.12 warns that fork() from a multi-threaded process (every Jupyter
@@ -146,17 +147,24 @@ def _fork(spec: WorkerSpec, channels: WorkerChannels) -> int:
             # touches ZMQ/iopub, and leaves through os._exit. That makes this fork safe.
             warnings.filterwarnings("ignore", category=DeprecationWarning, message=r".*fork\(\)")
             pid = os.fork()
+            if pid == 0:
+                try:
+                    signal.signal(signal.SIGINT, signal.SIG_IGN)
+                    signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+                    run_worker(spec, channels, forked=True)
+                finally:
+                    os._exit(1)
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
     except BaseException:
+        # An interrupt that lands between the fork and the return (another kernel thread takes
+        # the signal; Python raises it here at its next check) would lose the child's pid:
+        # kill and reap it now, so nothing the caller never saw keeps running.
+        if pid > 0:
+            signal_group(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         raise
-    if pid == 0:
-        try:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
-            run_worker(spec, channels, forked=True)
-        finally:
-            os._exit(1)
-    signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
     return pid
 
 

@@ -202,6 +202,12 @@ class Supervisor:
         status = worker.handle(message, self.router, self.observer, self.reports, self.imports)
         if status is not None:
             self._set_status(worker, status)
+        if isinstance(message, _protocol.Rendezvous) and all(
+            w.rendezvous.done for w in self.workers
+        ):
+            # Decided as the last "done" arrives: a later init_process_group in the function
+            # (after destroy_process_group) is not timed from this one's start.
+            self._rdzv_complete = True
 
     def _unregister(self, conn: Connection) -> None:
         with contextlib.suppress(KeyError, ValueError):

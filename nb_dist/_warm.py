@@ -31,6 +31,9 @@ ENV = "NB_DIST_WARM_IMPORTS"
 # Roots whose modules a worker may ask the kernel to import. Each is pure Python at import
 # time (no threads, no CUDA): torch's own subpackages and the libraries torch._dynamo uses.
 SAFE_ROOTS = ("torch", "sympy", "mpmath", "accelerate")
+# Never imported on purpose: inductor's compile machinery may start worker pools at import
+# (torch._dynamo still imports the parts of it that it needs).
+_NEVER = ("torch._inductor",)
 # At most this many module names per launch (the subtree roots; their children come along).
 MAX_NAMES = 64
 
@@ -48,7 +51,11 @@ def enabled(option: bool) -> bool:
 
 def worth_importing(new_modules: Iterable[str]) -> list[str]:
     """From the modules a worker imported, the subtree roots the kernel may import (sorted)."""
-    new = {name for name in new_modules if name.split(".", 1)[0] in SAFE_ROOTS}
+    new = {
+        name
+        for name in new_modules
+        if name.split(".", 1)[0] in SAFE_ROOTS and not name.startswith(_NEVER)
+    }
     roots = sorted(name for name in new if name.rpartition(".")[0] not in new)
     return roots[:MAX_NAMES]
 

@@ -301,6 +301,9 @@ def _silence_inherited_display() -> None:
     publisher.publish = publish
 
 
+_WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+
+
 def _forward_display(send: Callable[[_protocol.Message], None]) -> None:
     """Send ``display()`` output (HTML, images, figures, updates) to the kernel to show.
 
@@ -325,6 +328,10 @@ def _forward_display(send: Callable[[_protocol.Message], None]) -> None:
         **kwargs: Any,
     ) -> None:
         _flush_all()  # what was printed before the display arrives before it
+        if _WIDGET_VIEW in data:
+            # A widget's model lives in this worker, whose comm messages cannot reach the
+            # frontend: the cell would show "Error displaying widget". Its text form instead.
+            data = {"text/plain": data.get("text/plain", "<widget>")}
         display_id = (transient or {}).get("display_id")
         with contextlib.suppress(OSError, EOFError):
             send(_protocol.Display(dict(data), dict(metadata or {}), display_id, bool(update)))

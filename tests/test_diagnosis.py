@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -129,6 +130,28 @@ def test_timeout_in_a_collective_names_the_deadlock():
     text = str(info.value)
     assert "rank 0 was blocked at `dist.all_reduce(torch.ones(1))`" in text
     assert "A rank blocked in a collective (all_reduce, barrier, ...)" in text
+
+
+def _two_process_groups(seconds):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    dist.barrier()
+    dist.destroy_process_group()
+    time.sleep(seconds)  # work between the two groups, longer than rendezvous_timeout
+    dist.init_process_group("gloo")
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    return t.item()
+
+
+@pytest.mark.timeout(60)
+def test_a_second_process_group_is_not_timed_from_the_first():
+    """The rendezvous watchdog ends with the first completed rendezvous."""
+    result = notebook_launcher(
+        _two_process_groups, args=(2.0,), num_processes=2, rendezvous_timeout=1.0
+    )
+    assert list(result) == [2.0, 2.0]
 
 
 # ------------------------------------------------------------------ the OpenMP pool

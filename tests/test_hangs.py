@@ -75,6 +75,27 @@ def test_launch_after_kernel_compute_keeps_its_threads(kernel):
 
 
 @pytest.mark.timeout(120)
+def test_one_thread_rank_that_raises_its_threads_after_kernel_compute(kernel):
+    """The pool is released even for 1-thread ranks: one that calls set_num_threads(2) itself
+    (or a library with its own thread count) must not hang in its first parallel op."""
+    _, kc = kernel
+    execute(
+        kc,
+        """
+        def raises_threads():
+            torch.set_num_threads(2)
+            return conv_work()
+        """,
+    ).expect_ok()
+    execute(kc, "kernel_compute()").expect_ok()
+    run = execute(
+        kc,
+        "notebook_launcher(raises_threads, num_processes=2, threads_per_process=1, timeout=90)",
+    ).expect_ok()
+    assert run.result_text == "LaunchResult([2, 2])"
+
+
+@pytest.mark.timeout(120)
 def test_default_threads_after_kernel_compute(kernel):
     """Without OMP_NUM_THREADS, 1 rank on 2 cores gets 2 threads by default, and finishes."""
     _, kc = kernel

@@ -115,6 +115,23 @@ def test_rich_output_none_prints_text(kernel):
     assert "before 0" in logs and "<Figure size" in logs
 
 
+@pytest.mark.timeout(90)
+def test_a_widget_displayed_in_a_rank_shows_its_text(kernel):
+    """A widget's model lives in the worker, out of the frontend's reach: its text form."""
+    _, kc = kernel
+    execute(
+        kc,
+        "def slider():\n"
+        "    import ipywidgets\n"
+        "    display(ipywidgets.IntSlider(value=3, description='lr'))\n"
+        "    return 1",
+    ).expect_ok()
+    run = execute(kc, "notebook_launcher(slider, num_processes=1)").expect_ok()
+    shown = _rich(run)
+    assert all("application/vnd.jupyter.widget-view+json" not in d["data"] for d in shown)
+    assert any("IntSlider(value=3" in d["data"].get("text/plain", "") for d in shown)
+
+
 def test_bad_rich_output_is_refused():
     from nb_dist import notebook_launcher
 

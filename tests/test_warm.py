@@ -75,6 +75,7 @@ def test_worth_importing_keeps_safe_subtree_roots():
     new = {
         "torch._dynamo", "torch._dynamo.eval_frame", "torch._dynamo.utils", "sympy",
         "sympy.core", "mpmath", "decimal", "colorama", "my_project.data", "torch.fx.experimental",
+        "torch._inductor", "torch._inductor.codecache",  # may start compile pools: never
     }  # fmt: skip
     assert worth_importing(new) == ["mpmath", "sympy", "torch._dynamo", "torch.fx.experimental"]
     assert (
