@@ -5,11 +5,11 @@ it doubles as a smoke test of an installation. :func:`train` is what every rank 
 level, so ``spawn``/``forkserver`` workers can import it); :func:`run_demo` launches it from
 the calling process and prints a summary.
 
-Everything a DDP training needs is in :func:`train`, in the order a real script does it:
-create the process group, build the same data on every rank, shard it with a
-``DistributedSampler`` (and ``set_epoch`` so each epoch shuffles differently), wrap the model
-in ``DistributedDataParallel`` (which averages gradients across ranks in ``backward``), train,
-and evaluate.
+Everything a DDP training needs is in :func:`train` (the sharded loader and one epoch's
+training in two small helpers), in the order a real script does it: create the process group,
+build the same data on every rank, shard it with a ``DistributedSampler`` (and ``set_epoch`` so
+each epoch shuffles differently), wrap the model in ``DistributedDataParallel`` (which averages
+gradients across ranks in ``backward``), train, and evaluate.
 """
 
 from __future__ import annotations
@@ -88,19 +88,14 @@ def train(epochs: int = 3, seed: int = 0, fail_rank: int | None = None) -> dict[
     import torch
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
-    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-    from ._precision import autocast, mixed_precision
+    from ._precision import mixed_precision
 
     dist.init_process_group("gloo")  # env:// : the launcher set RANK, WORLD_SIZE, MASTER_*
     rank, world = dist.get_rank(), dist.get_world_size()
 
     x_train, y_train, x_held_out, y_held_out = make_data(seed)
-    dataset = TensorDataset(x_train, y_train)
-    sampler: DistributedSampler[int] = DistributedSampler(
-        dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed
-    )
-    loader = DataLoader(dataset, batch_size=BATCH_SIZE, sampler=sampler)
+    sampler, loader = _sharded_loader(x_train, y_train, seed, rank, world)
 
     model = DistributedDataParallel(make_model(seed))
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE, momentum=0.9)
@@ -112,20 +107,8 @@ def train(epochs: int = 3, seed: int = 0, fail_rank: int | None = None) -> dict[
     for epoch in range(epochs):
         sampler.set_epoch(epoch)  # a different shuffle each epoch, the same on every rank
         started = time.perf_counter()
-        model.train()
-        total, count = 0.0, 0
-        for step, (x, y) in enumerate(loader):
-            if rank == fail_rank and epoch == min(1, epochs - 1) and step == 3:
-                raise RuntimeError(
-                    f"rank {rank} failed on purpose in epoch {epoch + 1}, step {step} (--fail-rank)"
-                )
-            optimizer.zero_grad()
-            with autocast("cpu"):
-                loss = loss_fn(model(x), y)
-            loss.backward()  # DDP all-reduces (averages) the gradients here
-            optimizer.step()
-            total += loss.item() * len(y)
-            count += len(y)
+        fail = rank == fail_rank and epoch == min(1, epochs - 1)
+        total, count = _train_epoch(model, loader, optimizer, loss_fn, rank, epoch, fail)
         samples += count
         epoch_loss = total / max(count, 1)
         accuracy = _accuracy(model, x_held_out, y_held_out)
@@ -149,7 +132,7 @@ def train(epochs: int = 3, seed: int = 0, fail_rank: int | None = None) -> dict[
     # Free DDP before destroying the group. Its C++ Reducer holds the process group and is
     # freed with the GIL held; if it dropped the group's last reference, gloo's destructor
     # would wait for its worker thread, which may need the GIL: a rare hang at exit.
-    del model, optimizer, loss
+    del model, optimizer
     gc.collect()  # DDP sits in a reference cycle: free it now, not at some later collection
     dist.destroy_process_group()
     return {
@@ -160,6 +143,40 @@ def train(epochs: int = 3, seed: int = 0, fail_rank: int | None = None) -> dict[
         "checksum": checksum,
         "pid": os.getpid(),
     }
+
+
+def _sharded_loader(x: Any, y: Any, seed: int, rank: int, world: int) -> tuple[Any, Any]:
+    """This rank's ``DistributedSampler`` over ``(x, y)`` and the ``DataLoader`` that uses it."""
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    dataset = TensorDataset(x, y)
+    sampler: DistributedSampler[int] = DistributedSampler(
+        dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed
+    )
+    return sampler, DataLoader(dataset, batch_size=BATCH_SIZE, sampler=sampler)
+
+
+def _train_epoch(
+    model: Any, loader: Any, optimizer: Any, loss_fn: Any, rank: int, epoch: int, fail: bool
+) -> tuple[float, int]:
+    """One pass over this rank's shard: ``(summed loss, samples)``; ``fail`` raises at step 3."""
+    from ._precision import autocast
+
+    model.train()
+    total, count = 0.0, 0
+    for step, (x, y) in enumerate(loader):
+        if fail and step == 3:
+            raise RuntimeError(
+                f"rank {rank} failed on purpose in epoch {epoch + 1}, step {step} (--fail-rank)"
+            )
+        optimizer.zero_grad()
+        with autocast("cpu"):
+            loss = loss_fn(model(x), y)
+        loss.backward()  # DDP all-reduces (averages) the gradients here
+        optimizer.step()
+        total += loss.item() * len(y)
+        count += len(y)
+    return total, count
 
 
 def _accuracy(model: Any, x: Any, y: Any) -> float:

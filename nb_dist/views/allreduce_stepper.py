@@ -33,6 +33,7 @@ from ._display import SettingValueError, StrictInt, _new_figure, _WidgetView, fi
 
 if TYPE_CHECKING:
     from ipywidgets import VBox
+    from matplotlib.axes import Axes
     from matplotlib.figure import Figure
     from traitlets.utils.bunch import Bunch
 from .colors import rank_color, text_color_on
@@ -385,24 +386,27 @@ class AllReduceStepper(_WidgetView):
         Chunks are coloured by the rank whose data they started from, with as many stripes as
         ranks they already sum; arrows show this step's sends.
         """
-        from matplotlib.patches import FancyArrowPatch, Rectangle
-
         step = self.step if step is None else step
         if not 0 <= step <= self.num_steps:
             raise ValueError(f"step={step!r} must be between 0 and {self.num_steps}")
+        fig = _new_figure(11.0, 5.2)
+        ring_ax, bytes_ax = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1.5, 1]})
+        self._draw_ring(ring_ax, step)
+        self._draw_bytes(bytes_ax, step)
+        fig.suptitle(f"Ring all-reduce of {self.world_size} ranks (op={self.op!r})")
+        return fig
+
+    def _draw_ring(self, ax: Axes, step: int) -> None:
+        """The ranks on a ring with their chunked buffers after ``step``, and its sends."""
         n = self.world_size
         bounds = chunk_bounds(len(self.initial[0]), n)
         buffers = self.buffers(step)
         contributors = self.contributors(step)
-        fig = _new_figure(11.0, 5.2)
-        ring_ax, bytes_ax = fig.subplots(1, 2, gridspec_kw={"width_ratios": [1.5, 1]})
-
         # Chunks of a fixed size; the ring grows so that neighbouring buffers never overlap.
         # A chunk is a white box with its values on top and, below them, a band split left to
         # right into one stripe per rank whose data it sums (one stripe: the rank's own data;
         # N stripes: complete, labelled "all").
         cw, ch = (0.4 if n <= 4 else 0.3), 0.3
-        band = 0.45 * ch
         radius = max(1.0, (n * cw + 0.45) / (2 * math.sin(math.pi / n)))
         centers = [
             (radius * math.sin(2 * math.pi * r / n), radius * math.cos(2 * math.pi * r / n))
@@ -412,51 +416,16 @@ class AllReduceStepper(_WidgetView):
         sent_chunks = {(src, chunk) for src, _dst, chunk, _b in sends}
         for rank, (x, y) in enumerate(centers):
             left, bottom = x - n * cw / 2, y - ch / 2
-            for c in range(n):
-                who = contributors[rank][c]
-                for k, contributor in enumerate(who):  # one stripe per summed rank
-                    ring_ax.add_patch(
-                        Rectangle(
-                            (left + c * cw + k * cw / len(who), bottom),
-                            cw / len(who),
-                            band,
-                            facecolor=rank_color(contributor),
-                            edgecolor="#FFFFFF",
-                            linewidth=0.8,
-                        )
-                    )
-                sent = (rank, c) in sent_chunks
-                ring_ax.add_patch(
-                    Rectangle(
-                        (left + c * cw, bottom),
-                        cw,
-                        ch,
-                        fill=False,
-                        edgecolor="#000000" if sent else "#888888",
-                        linewidth=2.4 if sent else 0.6,
-                    )
+            for c, (start, stop) in enumerate(bounds):
+                _draw_chunk(
+                    ax,
+                    _ChunkBox(left, bottom, c, cw, ch),
+                    buffers[rank][start:stop],
+                    contributors[rank][c],
+                    complete=len(contributors[rank][c]) == n,
+                    sent=(rank, c) in sent_chunks,
                 )
-                start, stop = bounds[c]
-                complete = len(who) == n
-                ring_ax.text(
-                    left + (c + 0.5) * cw,
-                    bottom + band + (ch - band) / 2,
-                    _chunk_label(buffers[rank][start:stop], limit=2),
-                    ha="center",
-                    va="center",
-                    fontsize=8,
-                    fontweight="bold" if complete else "normal",
-                )
-                ring_ax.text(
-                    left + (c + 0.5) * cw,
-                    bottom - 0.03,
-                    "all" if complete else "+".join(str(r) for r in who),
-                    ha="center",
-                    va="top",
-                    fontsize=6.5,
-                    color="#444444",
-                )
-            ring_ax.text(
+            ax.text(
                 x,
                 y + ch / 2 + 0.03,
                 f"rank {rank}",
@@ -466,32 +435,9 @@ class AllReduceStepper(_WidgetView):
                 fontweight="bold",
                 color=_ink(rank_color(rank)),
             )
-        for src, dst, chunk, nbytes in sends:
-            (x0, y0), (x1, y1) = centers[src], centers[dst]
-            ring_ax.add_patch(
-                FancyArrowPatch(
-                    (x0, y0),
-                    (x1, y1),
-                    connectionstyle="arc3,rad=-0.25",
-                    arrowstyle="-|>",
-                    mutation_scale=14,
-                    shrinkA=42,
-                    shrinkB=42,
-                    color=rank_color(src),
-                    linewidth=1.8,
-                )
-            )
-            mx, my = (x0 + x1) / 2 * 1.25, (y0 + y1) / 2 * 1.25
-            ring_ax.text(
-                mx,
-                my,
-                f"chunk {chunk}\n{nbytes} B",
-                ha="center",
-                va="center",
-                fontsize=7,
-                color=_ink(rank_color(src)),
-            )
-        ring_ax.text(
+        for send in sends:
+            _draw_send(ax, send, centers)
+        ax.text(
             0,
             -radius - 0.6,
             "stripes and the label below a chunk: the ranks whose data it sums ('all': "
@@ -500,41 +446,39 @@ class AllReduceStepper(_WidgetView):
             fontsize=7.5,
             color="#444444",
         )
-        ring_ax.set_xlim(-radius - 0.7, radius + 0.7)
-        ring_ax.set_ylim(-radius - 0.65, radius + 0.55)
-        ring_ax.set_aspect("equal")
-        ring_ax.axis("off")
-        ring_ax.set_title(self._step_title(step), fontsize=10)
+        ax.set_xlim(-radius - 0.7, radius + 0.7)
+        ax.set_ylim(-radius - 0.65, radius + 0.55)
+        ax.set_aspect("equal")
+        ax.axis("off")
+        ax.set_title(self._step_title(step), fontsize=10)
 
+    def _draw_bytes(self, ax: Axes, step: int) -> None:
+        """Bars of the bytes each rank sends (all steps, and up to ``step``) with references."""
         totals = self.bytes_sent()
         so_far = self.bytes_sent(step)
-        xs = range(n)
-        bytes_ax.bar(
-            xs, totals, color=[rank_color(r) for r in xs], alpha=0.3, label="ring, all steps"
-        )
-        bytes_ax.bar(xs, so_far, color=[rank_color(r) for r in xs], label=f"sent by step {step}")
-        bytes_ax.axhline(
+        xs = range(self.world_size)
+        ax.bar(xs, totals, color=[rank_color(r) for r in xs], alpha=0.3, label="ring, all steps")
+        ax.bar(xs, so_far, color=[rank_color(r) for r in xs], label=f"sent by step {step}")
+        ax.axhline(
             self.ring_bytes_formula(),
             color="#000000",
             linestyle="--",
             linewidth=1,
             label="2(N-1)/N x buffer",
         )
-        bytes_ax.axhline(
+        ax.axhline(
             self.naive_bytes(),
             color="#D55E00",
             linestyle=":",
             linewidth=1.5,
             label="naive all-to-all (N-1) x buffer",
         )
-        bytes_ax.set_xticks(list(xs))
-        bytes_ax.set_xticklabels([f"rank {r}" for r in xs], fontsize=8)
-        bytes_ax.set_ylabel("bytes sent")
-        bytes_ax.set_ylim(0, max(self.naive_bytes(), max(totals)) * 1.3)
-        bytes_ax.legend(fontsize=7, loc="upper left")
-        bytes_ax.set_title(f"bytes sent per rank (buffer = {self.buffer_bytes} B)", fontsize=10)
-        fig.suptitle(f"Ring all-reduce of {n} ranks (op={self.op!r})")
-        return fig
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels([f"rank {r}" for r in xs], fontsize=8)
+        ax.set_ylabel("bytes sent")
+        ax.set_ylim(0, max(self.naive_bytes(), max(totals)) * 1.3)
+        ax.legend(fontsize=7, loc="upper left")
+        ax.set_title(f"bytes sent per rank (buffer = {self.buffer_bytes} B)", fontsize=10)
 
     # ---- widget -----------------------------------------------------------------------------
 
@@ -656,6 +600,103 @@ def _chunk_label(values: list[float], sep: str = ", ", limit: int = 3) -> str:
         return "-"
     shown = [_fmt(v) for v in values[:limit]]
     return sep.join(shown + (["..."] if len(values) > limit else []))
+
+
+@dataclass(frozen=True)
+class _ChunkBox:
+    """Where chunk ``index`` of a rank's buffer is drawn: the buffer's corner and chunk size."""
+
+    left: float
+    bottom: float
+    index: int
+    width: float
+    height: float
+
+    @property
+    def center_x(self) -> float:
+        return self.left + (self.index + 0.5) * self.width
+
+
+def _draw_chunk(
+    ax: Axes, box: _ChunkBox, values: list[float], who: tuple[int, ...], complete: bool, sent: bool
+) -> None:
+    """One chunk: a stripe per rank it sums, its outline (thick if sent), values and ranks."""
+    from matplotlib.patches import Rectangle
+
+    cw, ch = box.width, box.height
+    band = 0.45 * ch
+    for k, contributor in enumerate(who):  # one stripe per summed rank
+        ax.add_patch(
+            Rectangle(
+                (box.left + box.index * cw + k * cw / len(who), box.bottom),
+                cw / len(who),
+                band,
+                facecolor=rank_color(contributor),
+                edgecolor="#FFFFFF",
+                linewidth=0.8,
+            )
+        )
+    ax.add_patch(
+        Rectangle(
+            (box.left + box.index * cw, box.bottom),
+            cw,
+            ch,
+            fill=False,
+            edgecolor="#000000" if sent else "#888888",
+            linewidth=2.4 if sent else 0.6,
+        )
+    )
+    ax.text(
+        box.center_x,
+        box.bottom + band + (ch - band) / 2,
+        _chunk_label(values, limit=2),
+        ha="center",
+        va="center",
+        fontsize=8,
+        fontweight="bold" if complete else "normal",
+    )
+    ax.text(
+        box.center_x,
+        box.bottom - 0.03,
+        "all" if complete else "+".join(str(r) for r in who),
+        ha="center",
+        va="top",
+        fontsize=6.5,
+        color="#444444",
+    )
+
+
+def _draw_send(
+    ax: Axes, send: tuple[int, int, int, int], centers: list[tuple[float, float]]
+) -> None:
+    """An arrow from the sending rank to the receiving one, labelled with chunk and bytes."""
+    from matplotlib.patches import FancyArrowPatch
+
+    src, dst, chunk, nbytes = send
+    (x0, y0), (x1, y1) = centers[src], centers[dst]
+    ax.add_patch(
+        FancyArrowPatch(
+            (x0, y0),
+            (x1, y1),
+            connectionstyle="arc3,rad=-0.25",
+            arrowstyle="-|>",
+            mutation_scale=14,
+            shrinkA=42,
+            shrinkB=42,
+            color=rank_color(src),
+            linewidth=1.8,
+        )
+    )
+    mx, my = (x0 + x1) / 2 * 1.25, (y0 + y1) / 2 * 1.25
+    ax.text(
+        mx,
+        my,
+        f"chunk {chunk}\n{nbytes} B",
+        ha="center",
+        va="center",
+        fontsize=7,
+        color=_ink(rank_color(src)),
+    )
 
 
 def _ink(color: str) -> str:

@@ -34,6 +34,7 @@ from ._display import SettingValueError, _new_figure, _StaticView, _WidgetView
 
 if TYPE_CHECKING:
     from ipywidgets import VBox
+    from matplotlib.axes import Axes
     from matplotlib.figure import Figure
     from traitlets.utils.bunch import Bunch
 
@@ -374,33 +375,36 @@ class PrecisionExplorer(_WidgetView):
 
     def figure(self) -> Figure:
         """Top: each dtype's range on a log scale with the value marked. Bottom: its bits."""
-        from matplotlib.patches import Rectangle
-
-        rows = finfo_table()
-        reps = self.representations()
         fig = _new_figure(10.0, 5.6)
         range_ax, bits_ax = fig.subplots(2, 1, gridspec_kw={"height_ratios": [1.1, 1]})
+        self._draw_ranges(range_ax, finfo_table())
+        self._draw_bits(bits_ax, self.representations())
+        fig.suptitle(f"{_g(self.value, 10)} in float32, float16 and bfloat16")
+        return fig
+
+    def _draw_ranges(self, ax: Axes, rows: list[FinfoRow]) -> None:
+        """Each dtype's subnormal and normal range as bars, with the value and product marked."""
         for y, row in enumerate(reversed(rows)):
             lo_sub, lo, hi = (
                 math.log10(row.smallest_subnormal),
                 math.log10(row.tiny),
                 math.log10(row.max),
             )
-            range_ax.barh(y, lo - lo_sub, left=lo_sub, color="#BBBBBB", height=0.5)
-            range_ax.barh(y, hi - lo, left=lo, color="#0072B2", height=0.5)
-            range_ax.text(hi + 1, y, f"max {_g(row.max, 5)}", va="center", fontsize=8)
-        range_ax.set_yticks(range(len(rows)))
-        range_ax.set_yticklabels([r.dtype for r in reversed(rows)])
-        range_ax.set_xlabel("log10 |x|   (grey: subnormal, blue: normal numbers)")
+            ax.barh(y, lo - lo_sub, left=lo_sub, color="#BBBBBB", height=0.5)
+            ax.barh(y, hi - lo, left=lo, color="#0072B2", height=0.5)
+            ax.text(hi + 1, y, f"max {_g(row.max, 5)}", va="center", fontsize=8)
+        ax.set_yticks(range(len(rows)))
+        ax.set_yticklabels([r.dtype for r in reversed(rows)])
+        ax.set_xlabel("log10 |x|   (grey: subnormal, blue: normal numbers)")
         for label, x, color, side in (
             ("value", self.value, "#D55E00", "right"),
             (f"value x {_g(self.factor)}", self.value * self.factor, "#009E73", "left"),
         ):
             if x != 0 and math.isfinite(x):
                 where = math.log10(abs(x))
-                range_ax.axvline(where, color=color, linestyle="--", linewidth=1.2)
+                ax.axvline(where, color=color, linestyle="--", linewidth=1.2)
                 nudge = -0.6 if side == "right" else 0.6
-                range_ax.text(
+                ax.text(
                     where + nudge,
                     len(rows) - 0.4,
                     f"{label} = {_g(x)}",
@@ -408,9 +412,13 @@ class PrecisionExplorer(_WidgetView):
                     fontsize=8,
                     ha=side,
                 )
-        range_ax.set_xlim(-50, 58)
-        range_ax.set_ylim(-0.6, len(rows) - 0.05)
-        range_ax.set_title("Dynamic range from torch.finfo", fontsize=10)
+        ax.set_xlim(-50, 58)
+        ax.set_ylim(-0.6, len(rows) - 0.05)
+        ax.set_title("Dynamic range from torch.finfo", fontsize=10)
+
+    def _draw_bits(self, ax: Axes, reps: dict[str, Representation]) -> None:
+        """One row of coloured bits (sign, exponent, mantissa) per dtype, and what it stores."""
+        from matplotlib.patches import Rectangle
 
         for y, rep in enumerate(reversed(list(reps.values()))):
             x = 0.0
@@ -420,31 +428,27 @@ class PrecisionExplorer(_WidgetView):
                 ("mantissa", rep.mantissa),
             ):
                 for bit in bits:
-                    bits_ax.add_patch(
+                    ax.add_patch(
                         Rectangle(
                             (x, y), 0.95, 0.8, facecolor=FIELD_COLORS[field], edgecolor="white"
                         )
                     )
-                    bits_ax.text(x + 0.47, y + 0.4, bit, ha="center", va="center", fontsize=7)
+                    ax.text(x + 0.47, y + 0.4, bit, ha="center", va="center", fontsize=7)
                     x += 1
-            bits_ax.text(
+            ax.text(
                 33, y + 0.4, f"stores {_g(rep.stored, 8)}  ({rep.flag})", va="center", fontsize=8
             )
-        bits_ax.set_xlim(-0.5, 48)
-        bits_ax.set_ylim(-0.3, len(reps) + 0.1)
-        bits_ax.set_yticks([y + 0.4 for y in range(len(reps))])
-        bits_ax.set_yticklabels(list(reversed(list(reps))))
-        bits_ax.set_xticks([])
-        bits_ax.set_frame_on(False)
-        bits_ax.tick_params(length=0)
+        ax.set_xlim(-0.5, 48)
+        ax.set_ylim(-0.3, len(reps) + 0.1)
+        ax.set_yticks([y + 0.4 for y in range(len(reps))])
+        ax.set_yticklabels(list(reversed(list(reps))))
+        ax.set_xticks([])
+        ax.set_frame_on(False)
+        ax.tick_params(length=0)
         for k, (field, color) in enumerate(FIELD_COLORS.items()):
-            bits_ax.add_patch(
-                Rectangle((34 + 4.5 * k, len(reps) - 0.25), 0.9, 0.3, facecolor=color)
-            )
-            bits_ax.text(35.1 + 4.5 * k, len(reps) - 0.1, field, va="center", fontsize=7)
-        bits_ax.set_title(f"Bits of {_g(self.value, 10)} (sign | exponent | mantissa)", fontsize=10)
-        fig.suptitle(f"{_g(self.value, 10)} in float32, float16 and bfloat16")
-        return fig
+            ax.add_patch(Rectangle((34 + 4.5 * k, len(reps) - 0.25), 0.9, 0.3, facecolor=color))
+            ax.text(35.1 + 4.5 * k, len(reps) - 0.1, field, va="center", fontsize=7)
+        ax.set_title(f"Bits of {_g(self.value, 10)} (sign | exponent | mantissa)", fontsize=10)
 
     # ---- widget -----------------------------------------------------------------------------
 
@@ -624,16 +628,23 @@ class LossScaleView(_StaticView):
 
     def figure(self) -> Figure:
         """Left: scale per step on a log axis, skipped steps as red crosses. Right: the losses."""
-        from matplotlib.ticker import MaxNLocator
-
         has_loss = bool(self.bf16_loss or self.fp16_loss)
         fig = _new_figure(11.0 if has_loss else 6.5, 3.8)
         axes = fig.subplots(1, 2 if has_loss else 1, squeeze=False)[0]
-        ax = axes[0]
+        skipped = [(s, c) for s, c, k in self.trace if k]
+        self._draw_scale(axes[0], skipped)
+        if has_loss:
+            self._draw_losses(axes[1], [s for s, _c in skipped])
+        fig.suptitle("Loss scaling with torch.amp.GradScaler")
+        return fig
+
+    def _draw_scale(self, ax: Axes, skipped: list[tuple[int, float]]) -> None:
+        """The scale per step (log2 axis), the ``skipped`` ``(step, scale)`` as red crosses."""
+        from matplotlib.ticker import MaxNLocator
+
         steps = [s for s, _c, _k in self.trace]
         scales = [c for _s, c, _k in self.trace]
         ax.step(steps, scales, where="post", color="#0072B2", label="scale")
-        skipped = [(s, c) for s, c, k in self.trace if k]
         if skipped:
             ax.scatter(
                 [s for s, _ in skipped],
@@ -652,43 +663,42 @@ class LossScaleView(_StaticView):
         ax.set_title(
             f"GradScaler scale: {len(skipped)} skipped, final {_g(self.final_scale)}", fontsize=10
         )
-        if has_loss:
-            lax = axes[1]
-            for name, points, color in (
-                ("fp16 + GradScaler", self.fp16_loss, "#0072B2"),
-                ("bf16, no scaler", self.bf16_loss, "#009E73"),
-            ):
-                if points:
-                    lax.plot(
-                        [s for s, _ in points], [v for _, v in points], color=color, label=name
-                    )
-            for k, (s, _c) in enumerate(skipped):
-                lax.axvline(
-                    s,
-                    color="#D55E00",
-                    linestyle=":",
-                    linewidth=1,
-                    label="skipped step" if k == 0 else None,
-                )
-            values = [v for points in (self.fp16_loss, self.bf16_loss) for _s, v in points]
-            # A loss that falls by orders of magnitude reads better on a log axis.
-            log = min(values) > 0 and max(values) / min(values) > 20
-            if log:
-                lax.set_yscale("log")
-            rise = self.early_rise("fp16" if self.fp16_loss else "bf16")
-            if rise:
-                lax.annotate(
-                    f"early rise (step {rise[0]})",
-                    xy=rise,
-                    xytext=(0.35, 0.85),
-                    textcoords="axes fraction",
-                    fontsize=8,
-                    arrowprops={"arrowstyle": "->", "color": "#444444"},
-                )
-            lax.set_xlabel("step")
-            lax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            lax.set_ylabel("loss (log scale)" if log else "loss")
-            lax.legend(fontsize=8)
-            lax.set_title("Loss per step (each step's own batch)", fontsize=10)
-        fig.suptitle("Loss scaling with torch.amp.GradScaler")
-        return fig
+
+    def _draw_losses(self, ax: Axes, skipped_steps: list[int]) -> None:
+        """The fp16 and bf16 loss curves, the skipped steps and an early rise, if any."""
+        from matplotlib.ticker import MaxNLocator
+
+        for name, points, color in (
+            ("fp16 + GradScaler", self.fp16_loss, "#0072B2"),
+            ("bf16, no scaler", self.bf16_loss, "#009E73"),
+        ):
+            if points:
+                ax.plot([s for s, _ in points], [v for _, v in points], color=color, label=name)
+        for k, s in enumerate(skipped_steps):
+            ax.axvline(
+                s,
+                color="#D55E00",
+                linestyle=":",
+                linewidth=1,
+                label="skipped step" if k == 0 else None,
+            )
+        values = [v for points in (self.fp16_loss, self.bf16_loss) for _s, v in points]
+        # A loss that falls by orders of magnitude reads better on a log axis.
+        log = min(values) > 0 and max(values) / min(values) > 20
+        if log:
+            ax.set_yscale("log")
+        rise = self.early_rise("fp16" if self.fp16_loss else "bf16")
+        if rise:
+            ax.annotate(
+                f"early rise (step {rise[0]})",
+                xy=rise,
+                xytext=(0.35, 0.85),
+                textcoords="axes fraction",
+                fontsize=8,
+                arrowprops={"arrowstyle": "->", "color": "#444444"},
+            )
+        ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylabel("loss (log scale)" if log else "loss")
+        ax.legend(fontsize=8)
+        ax.set_title("Loss per step (each step's own batch)", fontsize=10)

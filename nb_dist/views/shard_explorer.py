@@ -328,8 +328,6 @@ class ShardExplorer(_WidgetView):
         the current epoch and the following ones, each rank's indices in order, batch by batch;
         padding duplicates are hatched and starred.
         """
-        from matplotlib.patches import Rectangle
-
         epoch_list = list(range(self.epoch, self.epoch + max(1, epochs)))
         orders = self.epoch_orders(epoch_list)
         per_rank = max(1, len(orders[self.epoch][0]))
@@ -343,59 +341,37 @@ class ShardExplorer(_WidgetView):
             1,
             gridspec_kw={"height_ratios": [1.4] + [self.world_size + 0.6] * len(epoch_list)},
         )
-
         show_labels = width <= 80  # beyond that the numbers would not fit in the cells
+        self._draw_coverage(axes[0], orders[self.epoch], width, show_labels)
+        for ax, epoch in zip(axes[1:], epoch_list, strict=True):
+            self._draw_strips(ax, epoch, orders[epoch], width, show_labels)
+        fig.suptitle(
+            f"DistributedSampler: {self.dataset_len} samples over {self.world_size} ranks\n"
+            f"shuffle={self.shuffle}, seed={self.seed}, drop_last={self.drop_last} "
+            "(dashed, faded, * = padding duplicate)",
+            fontsize=10,
+        )
+        return fig
 
-        def cell(
-            ax: Axes,
-            x: float,
-            y: float,
-            label: str,
-            color: str,
-            padded: bool = False,
-            dropped: bool = False,
-        ) -> None:
-            ax.add_patch(
-                Rectangle(
-                    (x, y),
-                    0.92,
-                    0.8,
-                    facecolor=DROPPED_COLOR if dropped else color,
-                    alpha=0.45 if padded else 1.0,
-                    edgecolor="none",
-                )
-            )
-            if padded:  # a dashed outline on top of the faded fill marks a padding duplicate
-                ax.add_patch(
-                    Rectangle(
-                        (x, y),
-                        0.92,
-                        0.8,
-                        fill=False,
-                        edgecolor=PADDING_EDGE_COLOR,
-                        linestyle="--",
-                        linewidth=1.4,
-                    )
-                )
-            ink = "#555555" if dropped else "#000000" if padded else text_color_on(color)
-            if show_labels:
-                ax.text(x + 0.46, y + 0.4, label, ha="center", va="center", fontsize=7, color=ink)
+    def _draw_coverage(
+        self, ax: Axes, assignments: dict[int, list[int]], width: float, show_labels: bool
+    ) -> None:
+        """The dataset's row: every sample split between the ranks that get it (grey: none)."""
+        from matplotlib.patches import Rectangle
 
-        # Coverage of the dataset in the current epoch.
-        cov = axes[0]
         owners: dict[int, list[int]] = {}
-        for rank, indices in orders[self.epoch].items():
+        for rank, indices in assignments.items():
             for i in indices:
                 owners.setdefault(i, []).append(rank)
         for i in range(self.dataset_len):
             ranks = owners.get(i, [])
             if not ranks:
-                cell(cov, i, 0, str(i), DROPPED_COLOR, dropped=True)
+                _draw_cell(ax, i, 0, str(i), DROPPED_COLOR, show_labels, dropped=True)
                 continue
             share = 0.8 / len(ranks)
             for k, rank in enumerate(ranks):
-                cov.add_patch(Rectangle((i, k * share), 0.92, share, facecolor=rank_color(rank)))
-            cov.text(
+                ax.add_patch(Rectangle((i, k * share), 0.92, share, facecolor=rank_color(rank)))
+            ax.text(
                 i + 0.46,
                 0.4,
                 str(i),
@@ -404,49 +380,50 @@ class ShardExplorer(_WidgetView):
                 fontsize=7,
                 color=text_color_on(rank_color(ranks[0])),
             )
-        cov.set_xlim(-0.2, width + 0.2)
-        cov.set_ylim(-0.1, 0.9)
-        cov.set_yticks([])
-        cov.set_xticks([])
-        cov.set_ylabel("dataset", rotation=0, ha="right", va="center")
-        cov.set_frame_on(False)
-        cov.set_title(
+        ax.set_xlim(-0.2, width + 0.2)
+        ax.set_ylim(-0.1, 0.9)
+        ax.set_yticks([])
+        ax.set_xticks([])
+        ax.set_ylabel("dataset", rotation=0, ha="right", va="center")
+        ax.set_frame_on(False)
+        ax.set_title(
             f"epoch {self.epoch}: the rank(s) that get each sample (grey = dropped)",
             fontsize=9,
             loc="left",
         )
 
-        for ax, epoch in zip(axes[1:], epoch_list, strict=True):
-            assignments = orders[epoch]
-            padding = _padding_positions(assignments)
-            for rank, indices in assignments.items():
-                y = self.world_size - 1 - rank
-                pad = set(padding[rank])
-                for p, index in enumerate(indices):
-                    x = p + (p // self.batch_size) * 0.4
-                    cell(ax, x, y, _fmt_index(index, p in pad), rank_color(rank), padded=p in pad)
-            ax.set_xlim(-0.2, width + 0.2)
-            ax.set_ylim(-0.2, self.world_size)
-            ax.set_yticks([self.world_size - 1 - r + 0.4 for r in range(self.world_size)])
-            ax.set_yticklabels([f"rank {r}" for r in range(self.world_size)])
-            ax.set_xticks([])
-            ax.tick_params(length=0)
-            ax.set_frame_on(False)
-            note = (
-                f"sampler.set_epoch({epoch})"
-                if self.set_epoch
-                else "set_epoch not called: sampler epoch 0"
-            )
-            ax.set_title(
-                f"epoch {epoch} ({note}), batches of {self.batch_size}", fontsize=9, loc="left"
-            )
-        fig.suptitle(
-            f"DistributedSampler: {self.dataset_len} samples over {self.world_size} ranks\n"
-            f"shuffle={self.shuffle}, seed={self.seed}, drop_last={self.drop_last} "
-            "(dashed, faded, * = padding duplicate)",
-            fontsize=10,
+    def _draw_strips(
+        self,
+        ax: Axes,
+        epoch: int,
+        assignments: dict[int, list[int]],
+        width: float,
+        show_labels: bool,
+    ) -> None:
+        """One row per rank: its indices for ``epoch`` in order, batch by batch."""
+        padding = _padding_positions(assignments)
+        for rank, indices in assignments.items():
+            y = self.world_size - 1 - rank
+            pad = set(padding[rank])
+            for p, index in enumerate(indices):
+                x = p + (p // self.batch_size) * 0.4
+                label = _fmt_index(index, p in pad)
+                _draw_cell(ax, x, y, label, rank_color(rank), show_labels, padded=p in pad)
+        ax.set_xlim(-0.2, width + 0.2)
+        ax.set_ylim(-0.2, self.world_size)
+        ax.set_yticks([self.world_size - 1 - r + 0.4 for r in range(self.world_size)])
+        ax.set_yticklabels([f"rank {r}" for r in range(self.world_size)])
+        ax.set_xticks([])
+        ax.tick_params(length=0)
+        ax.set_frame_on(False)
+        note = (
+            f"sampler.set_epoch({epoch})"
+            if self.set_epoch
+            else "set_epoch not called: sampler epoch 0"
         )
-        return fig
+        ax.set_title(
+            f"epoch {epoch} ({note}), batches of {self.batch_size}", fontsize=9, loc="left"
+        )
 
     # ---- widget -----------------------------------------------------------------------------
 
@@ -484,41 +461,28 @@ class ShardExplorer(_WidgetView):
         """The widget's body: coloured strips per rank for this epoch and the next."""
         assignments = self.assignments()
         padding = self.padding()
+        nxt = self.epoch + 1
+        nxt_orders = self.assignments(nxt)
+        parts = [
+            '<div style="font-family:monospace;font-size:12px">',
+            "<div><b>dataset</b> (colour = rank that gets the sample first)"
+            f"{''.join(self._html_coverage(assignments))}</div>",
+            f"<div style='margin-top:6px'><b>epoch {self.epoch}</b>, batches of "
+            f"{self.batch_size} ({len(assignments[0])} samples per rank)</div>",
+            *self._html_strips(assignments, padding),
+            f"<div style='margin-top:6px'><b>epoch {nxt}</b></div>",
+            *self._html_strips(nxt_orders, _padding_positions(nxt_orders)),
+            "<pre style='margin-top:6px'>"
+            + _html_escape(self.summary().split("\n")[-1])
+            + "</pre>",
+            "<div>* = padding duplicate; struck-through grey = dropped</div>",
+            "</div>",
+        ]
+        return "\n".join(parts)
+
+    def _html_coverage(self, assignments: dict[int, list[int]]) -> list[str]:
+        """One cell per sample, in the colour of the first rank that gets it (grey: dropped)."""
         dropped = set(self.dropped())
-
-        def cell(label: str, color: str, extra: str = "", cls: str = "") -> str:
-            return (
-                f'<span class="nb-dist-cell {cls}" style="display:inline-block;min-width:2.2em;'
-                f"text-align:center;margin:1px;padding:1px 2px;border-radius:3px;"
-                f'background:{color};color:{text_color_on(color)};{extra}">{label}</span>'
-            )
-
-        def strips(orders: dict[int, list[int]], pads: dict[int, list[int]]) -> list[str]:
-            rows = []
-            for rank, indices in orders.items():
-                pad = set(pads[rank])
-                cells = []
-                for p, index in enumerate(indices):
-                    if p and p % self.batch_size == 0:
-                        cells.append('<span style="display:inline-block;width:0.8em"></span>')
-                    if p in pad:
-                        cells.append(
-                            cell(
-                                f"{index}*",
-                                rank_color(rank),
-                                "outline:2px dashed #222;",
-                                "nb-dist-padding",
-                            )
-                        )
-                    else:
-                        cells.append(cell(str(index), rank_color(rank)))
-                rows.append(
-                    f'<div class="nb-dist-rank-row" data-rank="{rank}">'
-                    f'<b style="display:inline-block;width:4em">rank {rank}</b>'
-                    f"{''.join(cells)}</div>"
-                )
-            return rows
-
         coverage = []
         owner: dict[int, int] = {}
         for rank, indices in assignments.items():
@@ -527,28 +491,89 @@ class ShardExplorer(_WidgetView):
         for i in range(self.dataset_len):
             if i in dropped:
                 coverage.append(
-                    cell(str(i), DROPPED_COLOR, "text-decoration:line-through;", "nb-dist-dropped")
+                    _html_cell(
+                        str(i), DROPPED_COLOR, "text-decoration:line-through;", "nb-dist-dropped"
+                    )
                 )
             else:
-                coverage.append(cell(str(i), rank_color(owner[i])))
-        nxt = self.epoch + 1
-        nxt_orders = self.assignments(nxt)
-        parts = [
-            '<div style="font-family:monospace;font-size:12px">',
-            "<div><b>dataset</b> (colour = rank that gets the sample first)"
-            f"{''.join(coverage)}</div>",
-            f"<div style='margin-top:6px'><b>epoch {self.epoch}</b>, batches of "
-            f"{self.batch_size} ({len(assignments[0])} samples per rank)</div>",
-            *strips(assignments, padding),
-            f"<div style='margin-top:6px'><b>epoch {nxt}</b></div>",
-            *strips(nxt_orders, _padding_positions(nxt_orders)),
-            "<pre style='margin-top:6px'>"
-            + _html_escape(self.summary().split("\n")[-1])
-            + "</pre>",
-            "<div>* = padding duplicate; struck-through grey = dropped</div>",
-            "</div>",
-        ]
-        return "\n".join(parts)
+                coverage.append(_html_cell(str(i), rank_color(owner[i])))
+        return coverage
+
+    def _html_strips(self, orders: dict[int, list[int]], pads: dict[int, list[int]]) -> list[str]:
+        """One row per rank: its indices as cells, a gap between batches, padding outlined."""
+        rows = []
+        for rank, indices in orders.items():
+            pad = set(pads[rank])
+            cells = []
+            for p, index in enumerate(indices):
+                if p and p % self.batch_size == 0:
+                    cells.append('<span style="display:inline-block;width:0.8em"></span>')
+                if p in pad:
+                    cells.append(
+                        _html_cell(
+                            f"{index}*",
+                            rank_color(rank),
+                            "outline:2px dashed #222;",
+                            "nb-dist-padding",
+                        )
+                    )
+                else:
+                    cells.append(_html_cell(str(index), rank_color(rank)))
+            rows.append(
+                f'<div class="nb-dist-rank-row" data-rank="{rank}">'
+                f'<b style="display:inline-block;width:4em">rank {rank}</b>'
+                f"{''.join(cells)}</div>"
+            )
+        return rows
+
+
+def _draw_cell(
+    ax: Axes,
+    x: float,
+    y: float,
+    label: str,
+    color: str,
+    show_label: bool,
+    padded: bool = False,
+    dropped: bool = False,
+) -> None:
+    """One sample's cell in a strip: faded with a dashed outline when it is padding."""
+    from matplotlib.patches import Rectangle
+
+    ax.add_patch(
+        Rectangle(
+            (x, y),
+            0.92,
+            0.8,
+            facecolor=DROPPED_COLOR if dropped else color,
+            alpha=0.45 if padded else 1.0,
+            edgecolor="none",
+        )
+    )
+    if padded:  # a dashed outline on top of the faded fill marks a padding duplicate
+        ax.add_patch(
+            Rectangle(
+                (x, y),
+                0.92,
+                0.8,
+                fill=False,
+                edgecolor=PADDING_EDGE_COLOR,
+                linestyle="--",
+                linewidth=1.4,
+            )
+        )
+    ink = "#555555" if dropped else "#000000" if padded else text_color_on(color)
+    if show_label:
+        ax.text(x + 0.46, y + 0.4, label, ha="center", va="center", fontsize=7, color=ink)
+
+
+def _html_cell(label: str, color: str, extra: str = "", cls: str = "") -> str:
+    """One sample as an inline coloured box (``extra``: more CSS, ``cls``: a CSS class)."""
+    return (
+        f'<span class="nb-dist-cell {cls}" style="display:inline-block;min-width:2.2em;'
+        f"text-align:center;margin:1px;padding:1px 2px;border-radius:3px;"
+        f'background:{color};color:{text_color_on(color)};{extra}">{label}</span>'
+    )
 
 
 def _html_escape(text: str) -> str:
@@ -702,10 +727,7 @@ class ConsumedView(_StaticView):
         red outline, a missed one is grey with an x. Datasets longer than 60 samples are drawn
         without the numbers, and as coloured pixels.
         """
-        from matplotlib.patches import Patch, Rectangle
-
         n, epochs = self.dataset_len, self.epochs or [0]
-        ranks = list(self.indices_by_rank)
         small = n <= 60
         width = min(12.0, max(6.0, 2.5 + 0.42 * n)) if small else 12.0
         fig = _new_figure(width, 1.5 + 0.55 * len(epochs))
@@ -717,41 +739,7 @@ class ConsumedView(_StaticView):
                     for k, i in enumerate(indices):
                         position.setdefault(i, []).append((rank, k + 1))
                 for i in range(n):
-                    takers = position.get(i, [])
-                    if not takers:
-                        ax.add_patch(
-                            Rectangle((i, row), 1, 1, facecolor=DROPPED_COLOR, edgecolor="#FFFFFF")
-                        )
-                        ax.text(i + 0.5, row + 0.5, "x", ha="center", va="center", color="#D55E00")
-                        continue
-                    share = 1 / len(takers)
-                    for k, (rank, _pos) in enumerate(takers):
-                        ax.add_patch(
-                            Rectangle(
-                                (i + k * share, row),
-                                share,
-                                1,
-                                facecolor=rank_color(rank),
-                                edgecolor="#FFFFFF",
-                                linewidth=1.0,
-                            )
-                        )
-                    if len(takers) > 1:
-                        ax.add_patch(
-                            Rectangle(
-                                (i, row), 1, 1, fill=False, edgecolor="#D55E00", linewidth=2.2
-                            )
-                        )
-                    label = "/".join(str(pos) for _rank, pos in takers)
-                    ax.text(
-                        i + 0.5,
-                        row + 0.5,
-                        label,
-                        ha="center",
-                        va="center",
-                        fontsize=8 if len(takers) == 1 else 6.5,
-                        color=text_color_on(rank_color(takers[0][0])),
-                    )
+                    _draw_consumed_cell(ax, i, row, position.get(i, []))
             ax.set_xticks([i + 0.5 for i in range(n)])
             ax.set_xticklabels([str(i) for i in range(n)], fontsize=8)
         else:
@@ -771,7 +759,15 @@ class ConsumedView(_StaticView):
         ax.tick_params(length=0)
         for spine in ax.spines.values():
             spine.set_visible(False)
-        handles = [Patch(facecolor=rank_color(r), label=f"rank {r}") for r in ranks]
+        self._add_legend_and_title(ax)
+        return fig
+
+    def _add_legend_and_title(self, ax: Axes) -> None:
+        """A legend of the ranks (and of duplicates and misses, if any) and the verdict."""
+        from matplotlib.patches import Patch
+
+        epochs = self.epochs or [0]
+        handles = [Patch(facecolor=rank_color(r), label=f"rank {r}") for r in self.indices_by_rank]
         dups, missing = len(self.duplicates()), len(self.never_seen())
         if dups:
             handles.append(Patch(facecolor="#FFFFFF", edgecolor="#D55E00", label="two ranks"))
@@ -789,7 +785,43 @@ class ConsumedView(_StaticView):
         else:
             title = f"Who consumed each sample: {dups} duplicated, {missing} never seen"
         ax.set_title(title, fontsize=10)
-        return fig
+
+
+def _draw_consumed_cell(ax: Axes, i: int, row: int, takers: list[tuple[int, int]]) -> None:
+    """Sample ``i`` in ``row``: a stripe per rank that took it (grey with an x: nobody).
+
+    The label is the sample's position in each taker's order; two takers get a red outline.
+    """
+    from matplotlib.patches import Rectangle
+
+    if not takers:
+        ax.add_patch(Rectangle((i, row), 1, 1, facecolor=DROPPED_COLOR, edgecolor="#FFFFFF"))
+        ax.text(i + 0.5, row + 0.5, "x", ha="center", va="center", color="#D55E00")
+        return
+    share = 1 / len(takers)
+    for k, (rank, _pos) in enumerate(takers):
+        ax.add_patch(
+            Rectangle(
+                (i + k * share, row),
+                share,
+                1,
+                facecolor=rank_color(rank),
+                edgecolor="#FFFFFF",
+                linewidth=1.0,
+            )
+        )
+    if len(takers) > 1:
+        ax.add_patch(Rectangle((i, row), 1, 1, fill=False, edgecolor="#D55E00", linewidth=2.2))
+    label = "/".join(str(pos) for _rank, pos in takers)
+    ax.text(
+        i + 0.5,
+        row + 0.5,
+        label,
+        ha="center",
+        va="center",
+        fontsize=8 if len(takers) == 1 else 6.5,
+        color=text_color_on(rank_color(takers[0][0])),
+    )
 
 
 def consumed_view(indices_by_rank: Mapping[Any, Any], dataset_len: int) -> ConsumedView:
