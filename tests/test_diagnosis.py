@@ -132,14 +132,20 @@ def test_timeout_in_a_collective_names_the_deadlock():
     assert "A rank blocked in a collective (all_reduce, barrier, ...)" in text
 
 
-def _two_process_groups(seconds):
+def _two_process_groups(seconds, port):
+    import os
+
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
     dist.barrier()
     dist.destroy_process_group()
     time.sleep(seconds)  # work between the two groups, longer than rendezvous_timeout
-    dist.init_process_group("gloo")
+    # A fresh store for the second group (the launcher's still holds the first one's keys).
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     t = torch.ones(1)
     dist.all_reduce(t)
     return t.item()
@@ -148,8 +154,13 @@ def _two_process_groups(seconds):
 @pytest.mark.timeout(60)
 def test_a_second_process_group_is_not_timed_from_the_first():
     """The rendezvous watchdog ends with the first completed rendezvous."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
     result = notebook_launcher(
-        _two_process_groups, args=(2.0,), num_processes=2, rendezvous_timeout=1.0
+        _two_process_groups, args=(2.0, port), num_processes=2, rendezvous_timeout=1.0
     )
     assert list(result) == [2.0, 2.0]
 
