@@ -187,7 +187,7 @@ def _accuracy(model: Any, x: Any, y: Any) -> float:
     model.eval()
     with torch.no_grad(), autocast("cpu"):
         predicted = model.module(x).argmax(dim=1)  # .module: no DDP hooks for a local eval
-    return (predicted == y).float().mean().item()
+    return float((predicted == y).float().mean().item())
 
 
 @dataclass
@@ -204,7 +204,7 @@ class DemoSummary:
 
     @property
     def min_accuracy(self) -> float:
-        return min(r["accuracy"] for r in self.ranks)
+        return float(min(r["accuracy"] for r in self.ranks))
 
     def as_dict(self) -> dict[str, Any]:
         """Plain data (JSON-serializable): the fields, with one dict per rank."""

@@ -116,9 +116,9 @@ class _EndsAtTheCall:
     """
 
     def _render_traceback_(self) -> list[str]:
-        from IPython import get_ipython
+        from ._tracebacks import ipython_shell
 
-        shell = get_ipython()
+        shell = ipython_shell()
         assert isinstance(self, BaseException) and shell is not None
         frames = _user_frames(self.__traceback__)
         return list(shell.InteractiveTB.structured_traceback(type(self), self, frames))

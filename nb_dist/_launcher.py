@@ -20,6 +20,7 @@ from ._output import OutputRouter
 from ._plan import LaunchPlan, make_plan
 from ._result import LaunchResult
 from ._supervisor import AttemptResult, Supervisor
+from ._tracebacks import ipython_shell
 
 # How long workers may take to reach the rendezvous store (the store's client timeout).
 _STORE_TIMEOUT = 300.0
@@ -234,11 +235,7 @@ def _error_file(folder: str, rank: int) -> str:
 
 def _interrupted(nprocs: int) -> KeyboardInterrupt:
     text = f"the launch was interrupted; all {nprocs} ranks were stopped"
-    try:
-        from IPython import get_ipython
-    except ImportError:  # pragma: no cover - IPython comes with ipykernel
-        return KeyboardInterrupt(text)
-    return LaunchInterrupted(text) if get_ipython() is not None else KeyboardInterrupt(text)
+    return LaunchInterrupted(text) if ipython_shell() is not None else KeyboardInterrupt(text)
 
 
 def _open_monitor(ranks: list[int]) -> Any:
@@ -247,8 +244,9 @@ def _open_monitor(ranks: list[int]) -> Any:
 
     if not kernel_frontend_possible():
         return None
-    from IPython.display import display
+    import IPython.display
 
     view = LaunchMonitor(ranks)
-    display(view)
+    show: Any = IPython.display.display  # untyped in IPython
+    show(view)
     return view

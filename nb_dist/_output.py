@@ -14,6 +14,8 @@ import time
 import uuid
 from typing import Any, TextIO
 
+from ._tracebacks import ipython_shell
+
 OUTPUT_MODES = ("all", "rank0", "grouped", "none")
 RICH_OUTPUT_MODES = ("rank0", "all", "none")
 DEFAULT_PREFIX = "[rank ${rank}] "
@@ -50,8 +52,7 @@ class LineSplitter:
 
 def _frontend() -> Any:
     """The IPython shell that can show rich output, or ``None`` (a plain script)."""
-    ipython = sys.modules.get("IPython")
-    return ipython.get_ipython() if ipython is not None else None
+    return ipython_shell()
 
 
 def _visible(line: str) -> str:
@@ -157,11 +158,12 @@ class OutputRouter:
     def clear_output(self, local_rank: int, wait: bool) -> None:
         """A rank's ``clear_output()`` (progress displays redraw with it): only rank 0's, live."""
         if self.shows_rich(local_rank) and self._ranks[local_rank] == 0 and self.mode != "grouped":
-            from IPython.display import clear_output
+            import IPython.display
 
             for name in ("stdout", "stderr"):
                 self._stream(name).flush()
-            clear_output(wait=wait)
+            clear: Any = IPython.display.clear_output  # untyped in IPython
+            clear(wait=wait)
 
     def _publish(
         self,
@@ -171,15 +173,16 @@ class OutputRouter:
         display_id: str | None,
         update: bool,
     ) -> None:
-        from IPython.display import publish_display_data
+        import IPython.display
 
+        publish: Any = IPython.display.publish_display_data  # untyped in IPython
         for name in ("stdout", "stderr"):
             self._stream(name).flush()  # the rank's earlier prints stay above its display
         if self._rich != "rank0" and not update:
             self._stream("stdout").write(f"{self._prefixes[local_rank]}(display)\n")
             self._stream("stdout").flush()
         transient = {"display_id": display_id} if display_id is not None else None
-        publish_display_data(data, metadata, transient=transient, update=update)
+        publish(data, metadata, transient=transient, update=update)
 
     def finish(self) -> None:
         """End of a launch: in ``"grouped"`` mode, write every rank's lines, rank by rank.

@@ -238,7 +238,8 @@ def probe_cuda() -> CudaState:
         report = json.loads(b"".join(chunks) or b"{}")
     except ValueError:
         report = {}
-    poisoned = bool(report.get("bad")) or torch.cuda.is_initialized()
+    initialized: Any = torch.cuda.is_initialized  # untyped in torch
+    poisoned = bool(report.get("bad")) or bool(initialized())
     count = int(report.get("count", -1))
     if count < 0:
         nvml = getattr(torch.cuda, "_device_count_nvml", None)

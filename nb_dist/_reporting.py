@@ -55,7 +55,7 @@ class ReportEntry(tuple):  # type: ignore[type-arg]
 
     @property
     def step(self) -> int:
-        return self[0]
+        return int(self[0])
 
     @property
     def value(self) -> Any:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import linecache
 import os
 import re
+import sys
+from typing import Any
 
 _FILE_LINE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')
 _FAULT_HEADER = re.compile(r"^(Current thread|Thread|Stack) ?(?P<ident>0x[0-9a-f]+)?.*:$")
@@ -19,13 +21,18 @@ _FAULT_FRAME = re.compile(r'^\s+File "(?P<file>[^"]*)", line (?P<line>\d+) in (?
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
+def ipython_shell() -> Any:
+    """The running IPython shell (a kernel's, or a terminal's), or ``None`` in a script.
+
+    Looked up without importing IPython: where it is not imported, no shell is running.
+    """
+    ipython = sys.modules.get("IPython")
+    return ipython.get_ipython() if ipython is not None else None
+
+
 def cell_label(filename: str) -> str | None:
     """Return ``"Cell In[5]"`` for a file name IPython made for a cell, else ``None``."""
-    try:
-        from IPython import get_ipython
-    except ImportError:  # pragma: no cover - IPython is a dependency of ipykernel
-        return None
-    shell = get_ipython()
+    shell = ipython_shell()
     compiler = getattr(shell, "compile", None)
     formatter = getattr(compiler, "format_code_name", None)
     if formatter is None:
