@@ -115,6 +115,8 @@ class _Sink:
         self._thread.start()
 
     def add(self, name: str, value: Any, step: int | None) -> None:
+        if self._closed.is_set():
+            return  # the function has returned: the pipe now carries its value, nothing else
         if step is None:
             step = self._steps.get(name, -1) + 1
         self._steps[name] = step
@@ -128,6 +130,8 @@ class _Sink:
 
     def send(self, message: _protocol.Message) -> None:
         """Send a control message after everything reported so far (keeps the order)."""
+        if self._closed.is_set():
+            return  # see add()
         with self._lock:
             self._flush_locked()
             _protocol.send(self._control, message)

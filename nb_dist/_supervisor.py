@@ -124,6 +124,14 @@ class Supervisor:
         try:
             for worker in self.workers:
                 self._start(worker, context, lifeline_reader, gate_reader, kernel_ends)
+        except BaseException:
+            # A rank that could not start (or an interrupt): the ranks already started must
+            # not run the function once the gate opens below. Still waiting at it, they die.
+            for worker in self.workers:
+                if worker.alive and worker.process is not None:
+                    worker.stop_requested = True
+                    worker.returncode = worker.process.kill_and_reap()
+            raise
         finally:
             # The kernel keeps only the lifeline's write end: its EOF tells workers it died.
             # Closing the gate (EOF) lets ranks connect to the store only once all are forked,
