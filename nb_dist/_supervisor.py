@@ -131,6 +131,7 @@ class Supervisor:
                 if worker.alive and worker.process is not None:
                     worker.stop_requested = True
                     worker.returncode = worker.process.kill_and_reap()
+                    worker.exited_at = time.monotonic()
             raise
         finally:
             # The kernel keeps only the lifeline's write end: its EOF tells workers it died.

@@ -522,3 +522,29 @@ def test_same_port_works_again_after_a_failed_launch(tmp_path, failure):
     )
     assert list(result) == [3.0, 3.0]
     assert result.port == port
+
+
+def _marks_that_it_ran(tmp):
+    Path(tmp, f"ran{os.environ['RANK']}").write_text("")
+    return int(os.environ["RANK"])
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_cannot_start_stops_the_ones_started_before_it(tmp_path, monkeypatch):
+    """Rank 1's start fails (as fork can, with EAGAIN): rank 0, already started and waiting at
+    the start gate, is stopped there and never runs the function; nothing is left behind."""
+    from nb_dist import _processes
+
+    real_start = _processes.start
+
+    def start_rank0_only(method, spec, channels, context):
+        if spec.rank == 1:
+            raise OSError(11, "Resource temporarily unavailable (fork)")
+        return real_start(method, spec, channels, context)
+
+    monkeypatch.setattr(_processes, "start", start_rank0_only)
+    with pytest.raises(OSError, match="Resource temporarily unavailable"):
+        notebook_launcher(_marks_that_it_ran, args=(str(tmp_path),), num_processes=2)
+    assert list(tmp_path.glob("ran*")) == []
+    monkeypatch.undo()
+    assert notebook_launcher(_marks_that_it_ran, args=(str(tmp_path),), num_processes=2) == [0, 1]

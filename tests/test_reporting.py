@@ -490,3 +490,23 @@ def test_reports_keep_ranks_in_rank_order_whoever_reports_first():
     assert list(reports["loss"]) == [0, 1, 2]
     assert [len(v) for v in reports["loss"].values()] == [2, 1, 1]
     assert reports.last("loss") == {0: 0.0, 1: 1.0, 2: 2.0}
+
+
+def _reports_after_returning():
+    import threading
+
+    def keep_reporting():
+        step = 0
+        while True:
+            nb_dist.report("late", step)
+            step += 1
+
+    threading.Thread(target=keep_reporting, daemon=True).start()
+    return bytes(range(256)) * 20_000  # 5 MB: written raw after its size, in many writes
+
+
+@pytest.mark.timeout(60)
+def test_reports_from_a_thread_after_return_do_not_corrupt_the_value():
+    result = notebook_launcher(_reports_after_returning, num_processes=2)
+    assert [len(v) for v in result] == [5_120_000, 5_120_000]
+    assert all(v == bytes(range(256)) * 20_000 for v in result)
