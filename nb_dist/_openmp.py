@@ -102,8 +102,30 @@ def release_pool() -> Release:
         pause.restype = ctypes.c_int
         if pause(_OMP_PAUSE_HARD) != 0:
             return Release("unsupported")
-    freed = max(0, before - _thread_count())
+    freed = _threads_gone(before)
     return Release("released" if freed else "idle", freed)
+
+
+# Threads in this process right after the last release: a pool started since then adds some.
+_after_last_release: int | None = None
+
+
+def _threads_gone(before: int) -> int:
+    """How many threads the release ended. libgomp's pool threads are detached and exit just
+    after the pause returns, so a drop may take a moment on a busy machine: wait for it (at
+    most 20 ms), but only when threads were added since the last release (else no pool can
+    have started, and nothing is waited for)."""
+    global _after_last_release
+    now = _thread_count()
+    if before > now or (_after_last_release is not None and before <= _after_last_release):
+        _after_last_release = now
+        return max(0, before - now)
+    deadline = time.monotonic() + 0.02
+    while now >= before and time.monotonic() < deadline:
+        time.sleep(0.0005)
+        now = _thread_count()
+    _after_last_release = now
+    return max(0, before - now)
 
 
 _known_broken: set[int] = set()  # thread counts a probe found hanging (a kept pool stays)
