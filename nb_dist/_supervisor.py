@@ -13,7 +13,6 @@ status changes in one place, :meth:`Supervisor._set_status`.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import selectors
 import signal
 import time
@@ -21,7 +20,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
-from . import _diagnosis, _processes, _protocol
+from . import _diagnosis, _protocol, _start
 from ._errors import LaunchError as _LaunchError
 from ._errors import (
     LaunchTimeoutError,
@@ -34,7 +33,7 @@ from ._output import OutputRouter
 from ._plan import LaunchPlan
 from ._rank import FINAL, Rank
 from ._reporting import Reports
-from ._worker import WorkerChannels
+from ._worker import WorkerSpec
 
 # How long a stopped worker gets between SIGTERM and SIGKILL; keeps "stopped within 1 s".
 STOP_GRACE = 0.4
@@ -72,7 +71,7 @@ class Supervisor:
         #: Modules the workers imported that the kernel lacks (see nb_dist/_warm.py).
         self.imports: set[str] = set()
         self._selector = selectors.DefaultSelector()
-        self._lifeline: tuple[Connection, Connection] | None = None
+        self._lifeline: Connection | None = None  # its EOF tells the workers the kernel died
         self._first_finish: float | None = None
         self._hang_noticed: set[int] = set()
         self._failure_seen = False
@@ -114,54 +113,18 @@ class Supervisor:
 
     # ----------------------------------------------------------------- start
     def _start_all(self) -> None:
-        lifeline_reader, lifeline_writer = multiprocessing.Pipe(duplex=False)
-        gate_reader, gate_writer = multiprocessing.Pipe(duplex=False)
-        self._lifeline = (lifeline_reader, lifeline_writer)
-        context = None
-        if self.config.start_method == "forkserver":
-            context = _processes.forkserver_context()
-        kernel_ends = (lifeline_writer, gate_writer)  # a forked worker must not keep these
-        try:
-            for worker in self.workers:
-                self._start(worker, context, lifeline_reader, gate_reader, kernel_ends)
-        except BaseException:
-            # A rank that could not start (or an interrupt): the ranks already started must
-            # not run the function once the gate opens below. Still waiting at it, they die.
-            for worker in self.workers:
-                if worker.alive and worker.process is not None:
-                    worker.stop_requested = True
-                    worker.returncode = worker.process.kill_and_reap()
-                    worker.exited_at = time.monotonic()
-            raise
-        finally:
-            # The kernel keeps only the lifeline's write end: its EOF tells workers it died.
-            # Closing the gate (EOF) lets ranks connect to the store only once all are forked,
-            # so no fork copies a lock the store's server thread holds (worker._wait_for_gate).
-            for conn in (lifeline_reader, gate_writer, gate_reader):
-                conn.close()
+        """Start every rank (``_start.py``), then watch its pipes."""
+        plan = self.config
 
-    def _start(
-        self,
-        worker: Rank,
-        context: Any,
-        lifeline: Connection,
-        gate: Connection,
-        kernel_ends: tuple[Connection, ...],
-    ) -> None:
-        cfg = self.config
-        writers = worker.open_pipes()
-        channels = WorkerChannels(**writers, lifeline=lifeline, gate=gate)
-        kernel_fds = [c.fileno() for w in self.workers for c in w.pipes.values()]
-        kernel_fds += [conn.fileno() for conn in kernel_ends]
-        spec = cfg.worker_spec(worker.local_rank, self.worker_env[worker.local_rank], kernel_fds)
+        def spec_for(local_rank: int, kernel_fds: list[int]) -> WorkerSpec:
+            return plan.worker_spec(local_rank, self.worker_env[local_rank], kernel_fds)
+
         try:
-            worker.process = _processes.start(cfg.start_method, spec, channels, context)
+            self._lifeline = _start.start_all(plan.start_method, self.workers, spec_for)
         finally:
-            for writer in writers.values():  # the worker has its own copies now
-                writer.close()
-        worker.outcome.pid = worker.process.pid
-        for kind, reader in worker.pipes.items():
-            self._selector.register(reader.fileno(), selectors.EVENT_READ, (worker, kind))
+            for worker in self.workers:
+                for kind, reader in worker.pipes.items():
+                    self._selector.register(reader.fileno(), selectors.EVENT_READ, (worker, kind))
 
     # ----------------------------------------------------------------- watch
     def _watch(self, deadline: float | None) -> bool:
@@ -358,10 +321,8 @@ class Supervisor:
                 self._unregister(conn)
                 conn.close()
         self._selector.close()
-        if self._lifeline is not None:
-            for conn in self._lifeline:
-                if not conn.closed:
-                    conn.close()
+        if self._lifeline is not None and not self._lifeline.closed:
+            self._lifeline.close()
 
     # ----------------------------------------------------------------- results
     def _result(self) -> AttemptResult:
