@@ -1,8 +1,9 @@
 """``notebook_launcher``: run a function on N processes under torch.distributed from a cell.
 
 The function is the public signature and its documentation. What it does: check everything
-and decide (``_plan.make_plan``), then attempts, each with the kernel's rendezvous store and a
-:class:`~nb_dist._supervisor.Supervisor`, with restarts, then the result.
+and decide (``_plan.check_arguments``, ``_plan.decide``), then attempts, each with the
+kernel's rendezvous store and a :class:`~nb_dist._supervisor.Supervisor`, with restarts,
+then the result.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 from . import _openmp, _ports, _warm
 from ._errors import LaunchInterrupted, LaunchTimeoutError, WorkerFailedError
 from ._output import OutputRouter
-from ._plan import LaunchPlan, make_plan
+from ._plan import LaunchPlan, check_arguments, decide
 from ._result import LaunchResult
 from ._supervisor import AttemptResult, Supervisor
 from ._tracebacks import ipython_shell
@@ -136,13 +137,14 @@ def notebook_launcher(
     __tracebackhide__ = True
     began = time.monotonic()
     _warm.wait()  # every fork below (probes, workers) waits for a background import first
-    plan = make_plan(
+    checked = check_arguments(
         function, args, num_processes, mixed_precision, use_port, master_addr, node_rank,
         num_nodes, rdzv_backend, rdzv_endpoint, rdzv_conf, rdzv_id, max_restarts,
         monitor_interval, log_line_prefix_template, start_method, timeout, output,
         init_process_group, device, threads_per_process, hang_notice_after, monitor,
         rendezvous_timeout, warm_imports, rich_output,
     )  # fmt: skip
+    plan = decide(checked, num_processes, threads_per_process)
     live_view = _open_monitor(list(plan.ranks)) if plan.monitor else None
     try:
         outcome, logs, port, restarts = _run_attempts(plan, live_view)

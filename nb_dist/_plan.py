@@ -1,7 +1,8 @@
 """The launch plan: every argument checked in one documented order, then one frozen plan.
 
-:func:`make_plan` turns ``notebook_launcher``'s arguments into a :class:`LaunchPlan` before
-anything starts, checking in this order (the first problem found is the one reported):
+:func:`check_arguments` and :func:`decide` turn ``notebook_launcher``'s arguments into a
+:class:`LaunchPlan` before anything starts, checking in this order (the first problem found
+is the one reported):
 
 1. a launch from inside a launched worker;
 2. each argument on its own, in the order of the signature (types, ranges, choices);
@@ -156,43 +157,10 @@ class LaunchPlan:
         return env
 
 
-def make_plan(
-    function: Callable[..., Any],
-    args: Sequence[Any],
-    num_processes: int | None,
-    mixed_precision: str,
-    use_port: int | str | None,
-    master_addr: str,
-    node_rank: int,
-    num_nodes: int,
-    rdzv_backend: str,
-    rdzv_endpoint: str,
-    rdzv_conf: dict[str, Any] | None,
-    rdzv_id: str,
-    max_restarts: int,
-    monitor_interval: float,
-    log_line_prefix_template: str | None,
-    start_method: str,
-    timeout: float | None,
-    output: str,
-    init_process_group: bool,
-    device: str,
-    threads_per_process: int | None,
-    hang_notice_after: float | None,
-    monitor: bool,
-    rendezvous_timeout: float | str | None,
-    warm_imports: bool,
-    rich_output: str | int | Sequence[int],
+def decide(
+    plan: LaunchPlan, num_processes: int | None, threads_per_process: int | None
 ) -> LaunchPlan:
-    """Check everything in the order of the module docstring; return the plan."""
-    _preflight.check_not_nested()
-    plan = _checked_arguments(
-        function, args, num_processes, mixed_precision, use_port, master_addr, node_rank,
-        num_nodes, rdzv_backend, rdzv_endpoint, rdzv_conf, rdzv_id, max_restarts,
-        monitor_interval, log_line_prefix_template, start_method, timeout, output,
-        init_process_group, device, threads_per_process, hang_notice_after, monitor,
-        rendezvous_timeout, warm_imports, rich_output,
-    )  # fmt: skip
+    """Steps 3 to 7 on the checked arguments (:func:`check_arguments`): the final plan."""
     _check_multi_node(plan.num_nodes, plan.port, plan.max_restarts)  # 3. Combinations.
     _preflight.check_process_group()  # 4. The kernel's state.
     _preflight.check_accelerate_state()
@@ -221,7 +189,7 @@ def make_plan(
     )
 
 
-def _checked_arguments(
+def check_arguments(
     function: Callable[..., Any],
     args: Sequence[Any],
     num_processes: int | None,
@@ -249,8 +217,9 @@ def _checked_arguments(
     warm_imports: bool,
     rich_output: str | int | Sequence[int],
 ) -> LaunchPlan:
-    """2. Each argument on its own, in the order of the signature: a plan whose ranks,
-    devices, threads and payload are not decided yet."""
+    """Steps 1 and 2: not inside a worker, then each argument on its own, in the order of the
+    signature. A plan whose ranks, devices, threads and payload :func:`decide` decides."""
+    _preflight.check_not_nested()
     _preflight.check_function(function)
     call_args = _preflight.check_args(args)
     if num_processes is not None:

@@ -36,6 +36,15 @@ def sum_ranks():
     dist.all_reduce(t)
     return t.item()
 
+def launch_with_default_threads(function, **kwargs):
+    # As on a laptop: no OMP_NUM_THREADS, so the launcher gives cores / ranks threads.
+    saved = os.environ.pop("OMP_NUM_THREADS", None)
+    try:
+        return notebook_launcher(function, **kwargs)
+    finally:
+        if saved is not None:
+            os.environ["OMP_NUM_THREADS"] = saved
+
 def kernel_compute():
     torch.set_num_threads(2)        # what a 2+-core laptop's kernel has
     return conv_work()              # starts the kernel's OpenMP pool
@@ -102,15 +111,7 @@ def test_default_threads_after_kernel_compute(kernel):
     execute(kc, "kernel_compute()").expect_ok()
     run = execute(
         kc,
-        """
-        saved = os.environ.pop("OMP_NUM_THREADS", None)
-        try:
-            result = notebook_launcher(conv_work, num_processes=1, timeout=90)
-        finally:
-            if saved is not None:
-                os.environ["OMP_NUM_THREADS"] = saved
-        result
-        """,
+        "launch_with_default_threads(conv_work, num_processes=1, timeout=90)",
     ).expect_ok()
     assert run.result_text == f"LaunchResult([{min(2, _cores())}])"
 
@@ -124,15 +125,7 @@ def test_without_release_the_launch_drops_to_one_thread_or_refuses(kernel):
     try:
         run = execute(
             kc,
-            """
-            saved = os.environ.pop("OMP_NUM_THREADS", None)
-            try:
-                result = notebook_launcher(conv_work, num_processes=1, timeout=90)
-            finally:
-                if saved is not None:
-                    os.environ["OMP_NUM_THREADS"] = saved
-            result
-            """,
+            "launch_with_default_threads(conv_work, num_processes=1, timeout=90)",
         ).expect_ok()
         if _cores() >= 2:
             assert run.result_text == "LaunchResult([1])"
