@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ._errors import RankOutcome
-from ._tracebacks import blocked_place, format_frames, relabel_cells
+from ._tracebacks import FAULT_FRAME, PACKAGE_DIR, blocked_place, format_frames, relabel_cells
 
 Frame = tuple[str, int, str]  # (file, line, function), as parsed from a faulthandler dump
 
@@ -191,8 +191,6 @@ _COLLATERAL_TEXT = (
     "communicator was aborted",
     "NCCL error",
 )
-_CRASH_FRAME = re.compile(r'^\s+File "(?P<file>[^"]*)", line \d+ in ')
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def looks_collateral(outcome: RankOutcome) -> bool:
@@ -229,8 +227,8 @@ def last_output(log: str) -> list[str]:
     start = starts[-1]
     crash = []
     for line in lines[start:]:
-        frame = _CRASH_FRAME.match(line)
-        if frame and os.path.dirname(os.path.abspath(frame["file"])) == _PACKAGE_DIR:
+        frame = FAULT_FRAME.match(line)
+        if frame and os.path.dirname(os.path.abspath(frame["file"])) == PACKAGE_DIR:
             break  # the launcher's frames, then the kernel's inherited ones
         crash.append(relabel_cells(line))
     return lines[max(0, start - 5) : start] + crash[:40]

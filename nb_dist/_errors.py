@@ -8,6 +8,8 @@ import types
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from ._tracebacks import PACKAGE_DIR
+
 try:  # what torchrun and accelerate.notebook_launcher raise when a worker fails
     from torch.distributed.elastic.multiprocessing.errors import (
         ChildFailedError as _ChildFailedError,
@@ -89,14 +91,11 @@ class RankOutcome:
         return f"rank {self.rank}: failed: {what}{how}"
 
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-
-
 def _user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
     """``tb`` without the frames of nb_dist itself: it ends at the user's call."""
     kept = []
     while tb is not None:
-        if not os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(_PACKAGE_DIR):
+        if not os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(PACKAGE_DIR):
             kept.append(tb)
         tb = tb.tb_next
     chain = None

@@ -76,7 +76,7 @@ def libgomp_path() -> str | None:
     return paths[0] if paths else None
 
 
-def _thread_count() -> int:
+def thread_count() -> int:
     try:
         return len(os.listdir("/proc/self/task"))
     except OSError:
@@ -90,7 +90,7 @@ def release_pool() -> Release:
     paths = libgomp_paths()
     if not paths:
         return Release("absent")
-    before = _thread_count()
+    before = thread_count()
     for path in paths:  # each runtime has a pool of its own
         if path.endswith(" (deleted)"):
             return Release("unsupported")  # the file was replaced: cannot be opened again
@@ -116,14 +116,14 @@ def _threads_gone(before: int) -> int:
     most 20 ms), but only when threads were added since the last release (else no pool can
     have started, and nothing is waited for)."""
     global _after_last_release
-    now = _thread_count()
+    now = thread_count()
     if before > now or (_after_last_release is not None and before <= _after_last_release):
         _after_last_release = now
         return max(0, before - now)
     deadline = time.monotonic() + 0.02
     while now >= before and time.monotonic() < deadline:
         time.sleep(0.0005)
-        now = _thread_count()
+        now = thread_count()
     _after_last_release = now
     return max(0, before - now)
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import typing
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -144,21 +145,10 @@ def decode(data: bytes) -> Message:
     message = pickle.loads(data)
     if not isinstance(message, _MESSAGE_TYPES):
         raise TypeError(f"not a protocol message: {type(message).__name__}")
-    return message
+    return typing.cast(Message, message)
 
 
-_MESSAGE_TYPES = (
-    Hello,
-    Reports,
-    Progress,
-    Rendezvous,
-    Display,
-    ClearOutput,
-    Returned,
-    Imports,
-    Failed,
-    Result,
-)
+_MESSAGE_TYPES = typing.get_args(Message)  # the classes of the union, listed once
 
 
 def report_value(name: str, step: int, at: float, value: Any) -> ReportValue:

@@ -15,10 +15,10 @@ from typing import Any
 
 _FILE_LINE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')
 _FAULT_HEADER = re.compile(r"^(Current thread|Thread|Stack) ?(?P<ident>0x[0-9a-f]+)?.*:$")
-_FAULT_FRAME = re.compile(r'^\s+File "(?P<file>[^"]*)", line (?P<line>\d+) in (?P<name>.+)$')
+FAULT_FRAME = re.compile(r'^\s+File "(?P<file>[^"]*)", line (?P<line>\d+) in (?P<name>.+)$')
 
 # Frames of the launcher's own worker entry are noise in a user's stack.
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def ipython_shell() -> Any:
@@ -66,7 +66,7 @@ def parse_fault_dump(dump: str, thread_ident: int | None) -> list[tuple[str, int
             ident = header.group("ident")
             blocks.append((int(ident, 16) if ident else None, []))
             continue
-        frame = _FAULT_FRAME.match(raw)
+        frame = FAULT_FRAME.match(raw)
         if frame and blocks:
             blocks[-1][1].append((frame["file"], int(frame["line"]), frame["name"].strip()))
     if not blocks:
@@ -85,7 +85,7 @@ def worker_frames(frames: list[tuple[str, int, str]]) -> list[tuple[str, int, st
     A forked worker's stack still holds the frames of whatever called the launcher in the
     kernel (IPython, pytest, ...) below nb_dist's worker entry: they are not the rank's work.
     """
-    worker_file = os.path.join(_PACKAGE_DIR, "_worker.py")
+    worker_file = os.path.join(PACKAGE_DIR, "_worker.py")
     entry = [i for i, f in enumerate(frames) if os.path.abspath(f[0]) == worker_file]
     return frames[entry[-1] + 1 :] if entry else frames
 
@@ -94,7 +94,7 @@ def format_frames(frames: list[tuple[str, int, str]]) -> str:
     """Format frames like a Python traceback body, with cell labels and source lines."""
     lines = []
     for filename, lineno, name in worker_frames(frames):
-        if os.path.dirname(os.path.abspath(filename)) == _PACKAGE_DIR:
+        if os.path.dirname(os.path.abspath(filename)) == PACKAGE_DIR:
             continue
         label = cell_label(filename)
         where = f"{label}, line {lineno}" if label else f'File "{filename}", line {lineno}'
@@ -115,7 +115,7 @@ def innermost_user_frame(frames: list[tuple[str, int, str]]) -> str | None:
     for filename, lineno, name in reversed(worker_frames(frames)):
         if any(m in filename for m in library_markers) or filename.startswith("<frozen"):
             continue
-        if os.path.dirname(os.path.abspath(filename)) == _PACKAGE_DIR:
+        if os.path.dirname(os.path.abspath(filename)) == PACKAGE_DIR:
             continue
         where = cell_label(filename) or os.path.basename(filename)
         source = linecache.getline(filename, lineno).strip()
@@ -134,7 +134,7 @@ def blocked_place(frames: list[tuple[str, int, str]]) -> str:
     user = innermost_user_frame(frames)
     if user:
         return user
-    worker_file = os.path.join(_PACKAGE_DIR, "_worker.py")
+    worker_file = os.path.join(PACKAGE_DIR, "_worker.py")
     if frames and os.path.abspath(frames[-1][0]) == worker_file and frames[-1][2] == "_run":
         return (
             "the return from the function, in native code freeing its local variables (a "

@@ -104,10 +104,10 @@ def imported() -> list[str]:
 
 def _import_all(names: list[str]) -> None:
     global _disabled_because
-    from . import _preflight
+    from . import _openmp, _preflight
 
     for name in names:
-        threads_before = _thread_count()
+        threads_before = _openmp.thread_count()
         touched_before = _preflight.cuda_touched()
         try:
             importlib.import_module(name)
@@ -116,15 +116,8 @@ def _import_all(names: list[str]) -> None:
         if _preflight.cuda_touched() and not touched_before:
             _disabled_because = f"importing {name} touched CUDA"
             return
-        if _thread_count() > threads_before:
+        if _openmp.thread_count() > threads_before:
             _disabled_because = f"importing {name} started a thread"
             return
         with _lock:
             _imported.append(name)
-
-
-def _thread_count() -> int:
-    try:
-        return len(os.listdir("/proc/self/task"))
-    except OSError:
-        return threading.active_count()
