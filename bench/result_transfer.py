@@ -10,7 +10,7 @@ size, in interleaved rounds:
 - ``result path``: from ``time.monotonic()`` in rank 0 just before ``return`` to the moment the
   launcher returns in the kernel (same clock: CLOCK_MONOTONIC is system-wide on Linux). Its
   breakdown comes from two timing shims installed for the measurement, both calling the real
-  code unchanged: around ``nb_dist._worker._dumps_result`` (serialise in the worker; it prints
+  code unchanged: around ``nb_dist._worker.dumps_result`` (serialise in the worker; it prints
   its timestamps to the rank's stderr, read back from ``result.logs``) and around the
   ``pickle.loads`` that ``nb_dist._supervisor`` calls (unpickle in the kernel). So: worker
   teardown (stamp -> pickling starts), serialise, pipe transfer (pickling done -> the kernel
@@ -31,7 +31,7 @@ unpickler's memo keeps each blob until it returns). The floor uses the same pick
 it shows the same 3; only a different tensor encoding (the storages as out-of-band buffers)
 would avoid the third copy.
 
-nb_dist's result path, for reference: the worker pickles the value (``_dumps_result``), sends
+nb_dist's result path, for reference: the worker pickles the value (``dumps_result``), sends
 its size in a control message, then writes the raw bytes to the control pipe; the kernel reads
 them into one preallocated buffer and unpickles it.
 
@@ -137,7 +137,7 @@ def timing_shims() -> Any:
     import nb_dist._supervisor as supervisor
     import nb_dist._worker as worker
 
-    original_dumps = worker._dumps_result
+    original_dumps = worker.dumps_result
     original_pickle = supervisor.pickle
 
     def timed_dumps(value: Any) -> bytes:
@@ -149,12 +149,12 @@ def timing_shims() -> Any:
         return data
 
     shim = _TimedPickle(original_pickle)
-    worker._dumps_result = timed_dumps
+    worker.dumps_result = timed_dumps
     supervisor.pickle = shim
     try:
         yield shim
     finally:
-        worker._dumps_result = original_dumps
+        worker.dumps_result = original_dumps
         supervisor.pickle = original_pickle
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os as _os
 
+from ._debug import breakpoint
 from ._errors import (
     LaunchError,
     LaunchTimeoutError,
@@ -18,8 +19,10 @@ from ._errors import (
     WorkerFailedError,
 )
 from ._launcher import notebook_launcher
+from ._magic import load_ipython_extension
 from ._precision import autocast, autocast_dtype, mixed_precision, needs_grad_scaler
 from ._preflight import install_cuda_touch_recorder as _install_cuda_touch_recorder
+from ._ranks import Ranks, SessionError, per_rank
 from ._reporting import (
     ReportEntry,
     Reports,
@@ -54,14 +57,17 @@ __all__ = [
     "LossScaleView",
     "PrecisionExplorer",
     "RankOutcome",
+    "Ranks",
     "RendezvousTimeoutError",
     "ReportEntry",
     "Reports",
+    "SessionError",
     "ShardExplorer",
     "UnsafeLaunchError",
     "WorkerFailedError",
     "autocast",
     "autocast_dtype",
+    "breakpoint",
     "consumed_view",
     "is_main_process",
     "local_rank",
@@ -70,6 +76,7 @@ __all__ = [
     "mixed_precision",
     "needs_grad_scaler",
     "notebook_launcher",
+    "per_rank",
     "progress",
     "rank",
     "rank_color",
@@ -81,3 +88,6 @@ __all__ = [
 # GPU in a cell does not poison later forks (honoured only where the user has not set it).
 _os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 _install_cuda_touch_recorder()
+
+# `%load_ext nb_dist` finds this (not in __all__: it is IPython's hook, not an API).
+_ = load_ipython_extension

@@ -344,3 +344,12 @@ def teardown_notice(rank: int, ago: float) -> str:
         f"rank {rank} returned from the function {ago:.0f} s ago but its process has not "
         "exited. " + TEARDOWN_NOTE
     )
+
+
+def post_mortem_note(rank: int) -> str:
+    """What the error says when a failed rank is kept for a post-mortem."""
+    return (
+        f"Rank {rank} is kept at its exception for a post-mortem: run %debug in the next cell "
+        "(or call .debug() on this error) to open pdb inside it; q ends it. The other ranks "
+        "were stopped."
+    )

@@ -92,16 +92,30 @@ class RankOutcome:
 
 
 def _user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
-    """``tb`` without the frames of nb_dist itself: it ends at the user's call."""
+    """``tb`` without the frames of nb_dist itself (nor IPython's, which runs a ``%%ranks``
+    cell): it ends at the user's call."""
     kept = []
     while tb is not None:
-        if not os.path.abspath(tb.tb_frame.f_code.co_filename).startswith(PACKAGE_DIR):
+        filename = os.path.abspath(tb.tb_frame.f_code.co_filename)
+        if not filename.startswith(_NOT_THE_USERS):
             kept.append(tb)
         tb = tb.tb_next
     chain = None
     for entry in reversed(kept):
         chain = types.TracebackType(chain, entry.tb_frame, entry.tb_lasti, entry.tb_lineno)
     return chain
+
+
+def _ipython_dir() -> str:
+    try:
+        import IPython.core
+
+        return os.path.dirname(os.path.abspath(IPython.core.__file__)) + os.sep
+    except ImportError:  # pragma: no cover - IPython is a dependency
+        return PACKAGE_DIR
+
+
+_NOT_THE_USERS = (PACKAGE_DIR, _ipython_dir())
 
 
 class _EndsAtTheCall:
@@ -177,6 +191,18 @@ class WorkerFailedError(LaunchError, _ChildFailedError):
         self.logs = logs
         self.name = "notebook_launcher"
         self.failures = _process_failures(root_cause, outcomes)
+        #: The failed rank kept at its exception (``debug="postmortem"``), else ``None``.
+        self.post_mortem: Any = None
+
+    def debug(self) -> None:
+        """Open pdb inside the failed rank (``debug="postmortem"``), as ``%debug`` does."""
+        if self.post_mortem is None:
+            print(
+                "No rank was kept for a post-mortem. Launch with debug='postmortem' to keep "
+                "the failing rank at its exception, then run %debug (or err.debug())."
+            )
+            return
+        self.post_mortem.debug()
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (str(self), self.root_cause, self.outcomes, self.logs))

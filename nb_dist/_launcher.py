@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import _openmp, _ports, _warm
+from . import _openmp, _ports, _prompts, _warm
 from ._errors import LaunchInterrupted, LaunchTimeoutError, WorkerFailedError
 from ._output import OutputRouter
 from ._plan import LaunchPlan, check_arguments, decide
@@ -55,6 +55,7 @@ def notebook_launcher(
     rendezvous_timeout: float | str | None = "auto",
     warm_imports: bool = True,
     rich_output: str | int | Sequence[int] = "rank0",
+    debug: str | None = None,
 ) -> LaunchResult:
     """Run ``function(*args)`` on ``num_processes`` workers and return every rank's value.
 
@@ -119,6 +120,11 @@ def notebook_launcher(
             ``"rank0"`` (default), ``"all"`` (each labelled), a rank or a list of ranks, or
             ``"none"``. Other ranks' displays, and every display in a plain script, print
             their text form, labelled; ``result.logs`` holds the text either way.
+        debug: ``"postmortem"`` keeps the rank that failed first at its exception (the others
+            are stopped): ``%debug`` in the next cell, or ``err.debug()`` on the
+            :class:`~nb_dist.WorkerFailedError`, opens pdb inside that rank, its prompts
+            answered in the notebook's input box; ``q`` ends it. The next launch releases a
+            rank nobody debugged. ``nb_dist.breakpoint(rank)`` works without this option.
         monitor: show a live per-rank dashboard (status, time, progress bars from
             :func:`nb_dist.progress`, last output, curves of reported scalars) in the cell.
             Only in a Jupyter kernel; the labelled text output is printed either way.
@@ -137,12 +143,13 @@ def notebook_launcher(
     __tracebackhide__ = True
     began = time.monotonic()
     _warm.wait()  # every fork below (probes, workers) waits for a background import first
+    _prompts.release_all()  # a rank still kept for a post-mortem is let go
     checked = check_arguments(
         function, args, num_processes, mixed_precision, use_port, master_addr, node_rank,
         num_nodes, rdzv_backend, rdzv_endpoint, rdzv_conf, rdzv_id, max_restarts,
         monitor_interval, log_line_prefix_template, start_method, timeout, output,
         init_process_group, device, threads_per_process, hang_notice_after, monitor,
-        rendezvous_timeout, warm_imports, rich_output,
+        rendezvous_timeout, warm_imports, rich_output, debug,
     )  # fmt: skip
     plan = decide(checked, num_processes, threads_per_process)
     live_view = _open_monitor(list(plan.ranks)) if plan.monitor else None

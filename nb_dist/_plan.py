@@ -73,6 +73,8 @@ class LaunchPlan:
     poll_interval: float
     warm_imports: bool
     monitor: bool
+    debug: str | None = None  # "postmortem": keep the failing rank for the notebook's pdb
+    session: bool = False  # live ranks (nb_dist.Ranks): workers serve tasks
     payload: bytes | None = None  # spawn/forkserver: the function and args, by value
     linecache_entries: dict[str, Any] = field(default_factory=dict)
     notices: tuple[str, ...] = ()
@@ -105,6 +107,8 @@ class LaunchPlan:
             sys_path=list(sys.path) if shipped else [],
             close_fds=close_fds,
             report_imports=self.warm_imports,
+            session=self.session,
+            debug=self.debug,
         )
 
     def worker_env(
@@ -216,6 +220,7 @@ def check_arguments(
     rendezvous_timeout: float | str | None,
     warm_imports: bool,
     rich_output: str | int | Sequence[int],
+    debug: str | None = None,
 ) -> LaunchPlan:
     """Steps 1 and 2: not inside a worker, then each argument on its own, in the order of the
     signature. A plan whose ranks, devices, threads and payload :func:`decide` decides."""
@@ -247,6 +252,8 @@ def check_arguments(
     rdzv_limit = _preflight.check_seconds("rendezvous_timeout", rendezvous_timeout)
     _check_bool("warm_imports", warm_imports)
     rich = _rich_output(rich_output)
+    if debug is not None:
+        debug = _preflight.check_choice("debug", debug, DEBUG_MODES)
     return LaunchPlan(
         function=function, args=call_args, ranks=(), world_size=0, node_rank=node,
         num_nodes=nodes, master_addr=addr, port=port, rdzv_id=str(rdzv_id),
@@ -255,8 +262,12 @@ def check_arguments(
         output=output_mode, rich_output=rich,
         prefix=log_line_prefix_template or DEFAULT_PREFIX, timeout=limit,
         rendezvous_timeout=rdzv_limit, hang_notice_after=hang_after, poll_interval=poll or 0.1,
-        warm_imports=warm_imports, monitor=monitor, notices=tuple(notices),
+        warm_imports=warm_imports, monitor=monitor, notices=tuple(notices), debug=debug,
     )  # fmt: skip
+
+
+#: ``debug=``: ``None`` (no debugger), or keep the failing rank for a post-mortem.
+DEBUG_MODES = ("postmortem",)
 
 
 _NPROCS_HINT = "For CPU training on a laptop, 2 to 4 is a good choice."

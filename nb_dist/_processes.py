@@ -181,14 +181,7 @@ def _fork(spec: WorkerSpec, channels: WorkerChannels) -> int:
 
 def _spawn(spec: WorkerSpec, channels: WorkerChannels) -> subprocess.Popen[bytes]:
     """Start a fresh interpreter for one worker (no re-import of the caller's __main__)."""
-    fds = {
-        "stdout": channels.stdout.fileno(),
-        "stderr": channels.stderr.fileno(),
-        "control": channels.control.fileno(),
-        "stack": channels.stack.fileno(),
-        "lifeline": channels.lifeline.fileno(),
-        "gate": channels.gate.fileno(),
-    }
+    fds = channels.named_fds()
     env = dict(os.environ)
     env.update(spec.env)
     # The worker imports nb_dist before anything else; make sure it finds this copy.

@@ -22,7 +22,14 @@ message              sent by the worker                          what the kernel
 :class:`Failed`      the function raised (or its value is bad)   the rank's failure record
 :class:`Result`      the value's size, **then that many raw      reads the bytes into one
                      bytes** on the same pipe, unframed          buffer, unpickles the value
+:class:`Idle`        a live rank finished a task (or its start)  the task ended on that rank
+:class:`DebugPrompt` a rank's debugger waits for a command       asks the notebook for a line
 ===================  ==========================================  =============================
+
+Live ranks (:class:`nb_dist.Ranks`) have a fifth pipe, ``commands``, the other way: the kernel
+sends one :data:`Command` per task (:class:`Call`, :class:`Execute`, :class:`Pull`,
+:class:`Push`) and answers a :class:`DebugPrompt` with a :class:`DebugInput`; the rank ends its
+task with :class:`Result` or :class:`Failed`, then :class:`Idle`. Closing the pipe ends the rank.
 
 The raw bytes after :class:`Result` are the only unframed data: a large ``state_dict`` is read
 straight into one preallocated buffer, about twice as fast as ``recv_bytes``' chunked reads.
@@ -121,6 +128,64 @@ class Result:
     size: int  # this many raw bytes follow on the pipe
 
 
+@dataclass(frozen=True)
+class Idle:
+    """A live rank is ready for its next task: how many tasks and collectives it has done."""
+
+    task: int
+    collectives: int
+
+
+@dataclass(frozen=True)
+class DebugPrompt:
+    """A rank's debugger (post-mortem or breakpoint) shows ``text`` and waits for a line;
+    with ``prompt=None`` it only shows ``text``: the debugger has finished."""
+
+    text: str
+    prompt: str | None
+
+
+# ------------------------------------------------------------------ kernel → a live rank
+@dataclass(frozen=True)
+class Call:
+    """Run a function: ``payload`` is cloudpickle of ``(function, args, kwargs)``."""
+
+    task: int
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class Execute:
+    """Run source in the rank's namespace; the last expression's value is the result."""
+
+    task: int
+    source: str
+    filename: str
+
+
+@dataclass(frozen=True)
+class Pull:
+    task: int
+    names: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Push:
+    """Set names in the rank's namespace: ``payload`` is cloudpickle of a dict."""
+
+    task: int
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class DebugInput:
+    """The notebook's answer to a :class:`DebugPrompt` (``None``: no frontend can answer)."""
+
+    line: str | None
+
+
+Command = Call | Execute | Pull | Push | DebugInput
+
 Message = (
     Hello
     | Reports
@@ -132,10 +197,12 @@ Message = (
     | Imports
     | Failed
     | Result
+    | Idle
+    | DebugPrompt
 )
 
 
-def send(control: Connection, message: Message) -> None:
+def send(control: Connection, message: Message | Command) -> None:
     """Send one message as one frame (see the module docstring)."""
     control.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
@@ -149,6 +216,15 @@ def decode(data: bytes) -> Message:
 
 
 _MESSAGE_TYPES = typing.get_args(Message)  # the classes of the union, listed once
+_COMMAND_TYPES = typing.get_args(Command)
+
+
+def decode_command(data: bytes) -> Command:
+    """The command in one frame on the ``commands`` pipe; ``TypeError`` if it is not one."""
+    command = pickle.loads(data)
+    if not isinstance(command, _COMMAND_TYPES):
+        raise TypeError(f"not a command: {type(command).__name__}")
+    return typing.cast(Command, command)
 
 
 def report_value(name: str, step: int, at: float, value: Any) -> ReportValue:

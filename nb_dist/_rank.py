@@ -45,6 +45,7 @@ class Rank:
         self.outcome = RankOutcome(rank=rank, local_rank=local_rank, status="starting")
         self.process: WorkerProcess | None = None
         self.pipes: dict[str, Connection] = {}
+        self.commands: Connection | None = None  # kernel → worker
         self.splitters = {"stdout": LineSplitter(), "stderr": LineSplitter()}
         self.stack = bytearray()
         self.thread_ident: int | None = None  # from Hello: whose stack to read
@@ -56,6 +57,23 @@ class Rank:
         self.exited_at: float | None = None
         self.control_closed_at: float | None = None
         self.stop_requested = False
+        # The rank's debugger (_debug.py): its prompt waiting for a line, what it printed.
+        self.prompt: _protocol.DebugPrompt | None = None
+        self.debugging = False
+        self.debug_text = ""
+        # A live rank: the last task it finished and how many collectives it had entered.
+        self.idle_task: int | None = None
+        self.collectives = 0
+
+    def begin_task(self) -> None:
+        """Forget the last task (a live rank): a fresh outcome, no value, no failure."""
+        self.outcome = RankOutcome(
+            rank=self.outcome.rank, local_rank=self.local_rank, status="starting",
+            pid=self.outcome.pid,
+        )  # fmt: skip
+        self.value, self.result, self.failure = None, None, None
+        self.stack.clear()
+        self.stop_requested = False
 
     @property
     def alive(self) -> bool:
@@ -66,10 +84,29 @@ class Rank:
         return self.outcome.status in FINAL
 
     def open_pipes(self) -> dict[str, Connection]:
-        """Create this rank's four pipes; keep the read ends, return the write ends."""
+        """Create this rank's pipes; keep the kernel's ends, return the worker's.
+
+        Four carry what the worker says (the kernel reads them); ``commands`` goes the other
+        way (the debugger's answers, a live rank's tasks)."""
         ends = {kind: multiprocessing.Pipe(duplex=False) for kind in PIPES}
         self.pipes = {kind: reader for kind, (reader, _) in ends.items()}
-        return {kind: writer for kind, (_, writer) in ends.items()}
+        theirs = {kind: writer for kind, (_, writer) in ends.items()}
+        theirs["commands"], self.commands = multiprocessing.Pipe(duplex=False)
+        return theirs
+
+    def kernel_ends(self) -> list[Connection]:
+        """Every pipe end the kernel holds for this rank (a forked worker closes them all)."""
+        return [*self.pipes.values(), *([self.commands] if self.commands is not None else [])]
+
+    def send(self, command: _protocol.Command) -> bool:
+        """Send a command to the worker; False if it can no longer receive one."""
+        if self.commands is None or self.commands.closed:
+            return False
+        try:
+            _protocol.send(self.commands, command)
+        except (OSError, EOFError):
+            return False
+        return True
 
     def settle(self) -> RankStatus:
         """Record how the finished worker ended (exit status, exception, duration); the
@@ -81,8 +118,7 @@ class Rank:
         elif code is not None:
             out.exit_code = code
         if failure is not None:
-            out.exc_type, out.message, out.failed_at = failure.exc_type, failure.message, failure.at
-            out.traceback = relabel_cells(failure.traceback)
+            self._record_failure(failure)
             return "failed"
         if self.result is not None and code == 0:
             return "ok"
@@ -91,6 +127,11 @@ class Rank:
         out.failed_at = self.control_closed_at or self.exited_at
         out.message = ended_without_value(code, out.signal_name)
         return "failed"
+
+    def _record_failure(self, failure: _protocol.Failed) -> None:
+        out = self.outcome
+        out.exc_type, out.message, out.failed_at = failure.exc_type, failure.message, failure.at
+        out.traceback = relabel_cells(failure.traceback)
 
     def ask_for_stack(self) -> bool:
         """Ask the worker for its Python stack (SIGUSR1 → faulthandler); False if it cannot
@@ -198,6 +239,18 @@ class Rank:
                 self.failure = message
             case _protocol.Result():
                 pass  # the value was read with it (read_message)
+            case _protocol.DebugPrompt(text=text, prompt=None):
+                self.debugging, self.prompt = False, None
+                self.debug_text += text
+            case _protocol.DebugPrompt():
+                self.debugging, self.prompt = True, message
+            case _protocol.Idle(task=task, collectives=count):
+                self.idle_task, self.collectives = task, count
+                self.outcome.duration = self.result.duration if self.result else None
+                if self.failure is not None:
+                    self._record_failure(self.failure)
+                    return "failed"
+                return "ok"
             case _:  # pragma: no cover - decode() admits only the classes above
                 raise AssertionError(f"rank {self.outcome.rank}: unexpected {message!r}")
         return None

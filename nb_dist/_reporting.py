@@ -128,13 +128,16 @@ class _Sink:
             if len(self._buffer) >= _MAX_BATCH:
                 self._flush_locked()
 
-    def send(self, message: _protocol.Message) -> None:
-        """Send a control message after everything reported so far (keeps the order)."""
+    def send(self, message: _protocol.Message, raw: bytes | None = None) -> None:
+        """Send a control message after everything reported so far (keeps the order), and
+        the raw bytes a :class:`~_protocol.Result` announces, with no frame in between."""
         if self._closed.is_set():
             return  # see add()
         with self._lock:
             self._flush_locked()
             _protocol.send(self._control, message)
+            if raw is not None:
+                _protocol.write_raw(self._control, raw)
 
     def flush(self) -> None:
         with self._lock:

@@ -42,7 +42,7 @@ def start_all(method: str, ranks: list[Rank], spec_for: SpecFor) -> Connection:
         for rank in ranks:
             writers = rank.open_pipes()
             channels = WorkerChannels(**writers, lifeline=lifeline_reader, gate=gate_reader)
-            kernel_fds = [c.fileno() for r in ranks for c in r.pipes.values()] + kernel_ends
+            kernel_fds = [c.fileno() for r in ranks for c in r.kernel_ends()] + kernel_ends
             try:
                 process = _processes.start(
                     method, spec_for(rank.local_rank, kernel_fds), channels, context

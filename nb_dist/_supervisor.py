@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
-from . import _diagnosis, _protocol, _start
+from . import _diagnosis, _prompts, _protocol, _start
 from ._errors import LaunchError as _LaunchError
 from ._errors import (
     LaunchTimeoutError,
@@ -76,6 +76,10 @@ class Supervisor:
         self._hang_noticed: set[int] = set()
         self._failure_seen = False
         self._rdzv_complete = False
+        #: Seconds spent waiting for the notebook to answer a debugger (not counted as work).
+        self.paused_for = 0.0
+        #: The failed rank kept for a post-mortem (``debug="postmortem"``), if any.
+        self.held: Rank | None = None
 
     # ----------------------------------------------------------------- the attempt
     def run(self) -> AttemptResult:
@@ -96,7 +100,7 @@ class Supervisor:
             raise
         finally:
             for worker in self.workers:  # last line of defence (a second interrupt)
-                if worker.alive and worker.process is not None:
+                if worker.alive and worker.process is not None and worker is not self.held:
                     worker.returncode = worker.process.kill_and_reap()
             self._close()
 
@@ -131,7 +135,8 @@ class Supervisor:
         """Pump events until every worker has ended. Returns True if the deadline passed."""
         while not all(w.finished for w in self.workers):
             now = time.monotonic()
-            if deadline is not None and now >= deadline and any(w.alive for w in self.workers):
+            late = deadline is not None and now >= deadline + self.paused_for
+            if late and any(w.alive for w in self.workers):
                 return True
             wait = self.config.poll_interval
             if any(w.alive and w.control_closed_at is not None for w in self.workers):
@@ -139,8 +144,9 @@ class Supervisor:
                 # reap it within milliseconds, not a whole poll interval (~0.1 s per launch).
                 wait = min(wait, 0.002)
             if deadline is not None:
-                wait = max(0.0, min(wait, deadline - now))
+                wait = max(0.0, min(wait, deadline + self.paused_for - now))
             self._pump(wait)
+            self._answer_debuggers()
             self._poll_processes()
             self._flush_stale_partials()
             self._check_failures()
@@ -180,6 +186,20 @@ class Supervisor:
             # Decided as the last "done" arrives: a later init_process_group in the function
             # (after destroy_process_group) is not timed from this one's start.
             self._rdzv_complete = True
+
+    def _answer_debuggers(self) -> None:
+        """A rank stopped in pdb (``nb_dist.breakpoint``): its prompts are answered from the
+        cell, here, before anything else (the others wait in their collectives meanwhile)."""
+        for worker in self.workers:
+            if worker is self.held or not (worker.debugging or worker.prompt is not None):
+                continue
+            began = time.monotonic()
+            if self.observer is not None:
+                self.observer.paused(worker.local_rank, True)
+            _prompts.converse(worker, self._pump, "goes on")
+            if self.observer is not None and worker.alive:
+                self.observer.paused(worker.local_rank, False)
+            self.paused_for += time.monotonic() - began
 
     def _unregister(self, conn: Connection) -> None:
         with contextlib.suppress(KeyError, ValueError):
@@ -227,8 +247,16 @@ class Supervisor:
                 or (worker.outcome.status == "failed")
             ):
                 self._failure_seen = True
+                self._hold_for_post_mortem(worker)
                 self._stop_all()
                 return
+
+    def _hold_for_post_mortem(self, worker: Rank) -> None:
+        """``debug="postmortem"``: the first rank to fail stays at its exception, not stopped."""
+        if self.config.debug != "postmortem" or worker.failure is None or not worker.alive:
+            return
+        self.held = worker
+        self._set_status(worker, worker.settle())
 
     def _check_stragglers(self) -> None:
         limit = self.config.hang_notice_after
@@ -284,7 +312,7 @@ class Supervisor:
     # ----------------------------------------------------------------- stop
     def _stop_all(self) -> None:
         """SIGTERM every live worker's process group, then SIGKILL what is left after a grace."""
-        live = [w for w in self.workers if w.alive]
+        live = [w for w in self.workers if w.alive and w is not self.held]
         for worker in live:
             worker.stop_requested = True
             assert worker.process is not None
@@ -319,8 +347,13 @@ class Supervisor:
         for worker in self.workers:
             for conn in worker.pipes.values():
                 self._unregister(conn)
-                conn.close()
+                if worker is not self.held:
+                    conn.close()
+            if worker.commands is not None and worker is not self.held:
+                worker.commands.close()
         self._selector.close()
+        if self.held is not None and self.held.alive:
+            return  # the lifeline now belongs to the post-mortem (see _result)
         if self._lifeline is not None and not self._lifeline.closed:
             self._lifeline.close()
 
@@ -340,7 +373,14 @@ class Supervisor:
                 self._set_status(worker, "collateral")
         logs = self._logs()
         message = _diagnosis.failure_message(root, outcomes, logs[root.local_rank])
-        return self._raise(WorkerFailedError(message, root, outcomes, logs))
+        held = self.held if self.held is not None and self.held.alive else None
+        if held is not None:
+            message += "\n\n" + _diagnosis.post_mortem_note(held.outcome.rank)
+        error = WorkerFailedError(message, root, outcomes, logs)
+        if held is not None:
+            error.post_mortem = _prompts.PostMortem(held, self._lifeline, self.router)
+            _prompts.hook_debug_magic()
+        return self._raise(error)
 
     def _stop_with_stacks(self) -> tuple[list[Rank], dict[int, list[_diagnosis.Frame]]]:
         """Take the stacks of the live ranks, then stop everything: (who was live, stacks)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import faulthandler
+import functools
 import io
 import os
 import pickle
@@ -22,11 +23,12 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from multiprocessing.connection import Connection
 from typing import Any
 
-from . import _protocol, _reporting
+from . import _debug, _protocol, _reporting
+from ._tracebacks import PACKAGE_DIR
 
 # Set in a worker so that a launch from inside a worker is refused (see preflight).
 WORKER_ENV_FLAG = "NB_DIST_WORKER_RANK"
@@ -59,6 +61,10 @@ class WorkerSpec:
     close_fds: list[int] = field(default_factory=list)
     # Tell the kernel which modules this worker imported that it lacks (see _warm.py).
     report_imports: bool = False
+    # A live rank (nb_dist.Ranks): serve tasks from the commands pipe instead of one function.
+    session: bool = False
+    # "postmortem": a failed rank waits at its exception for the notebook's debugger.
+    debug: str | None = None
 
 
 @dataclass
@@ -72,6 +78,13 @@ class WorkerChannels:
     lifeline: Connection
     # Read end of the start gate: EOF once the kernel has started every rank.
     gate: Connection
+    # Kernel → worker: the debugger's answers (_debug.py) and a live rank's tasks (_serve.py).
+    commands: Connection | None = None
+
+    def named_fds(self) -> dict[str, int]:
+        """Each pipe's file descriptor by name (how a spawned worker is told its pipes)."""
+        ends = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {name: conn.fileno() for name, conn in ends.items() if conn is not None}
 
 
 def spawn_main() -> None:
@@ -95,7 +108,7 @@ def run_worker(spec: WorkerSpec, channels: WorkerChannels, forked: bool) -> None
         with contextlib.suppress(BaseException):
             traceback.print_exc()
     finally:
-        _flush_all()
+        flush_all()
         os._exit(code)
 
 
@@ -109,8 +122,13 @@ def _run(spec: WorkerSpec, channels: WorkerChannels, forked: bool) -> int:
     sink = _reporting.install_sink(control, spec.rank)
     if forked:
         _forward_display(sink.send)
+    _debug.install(sink.send, channels.commands, spec.rank, spec.debug)
     _wait_for_gate(channels.gate)
 
+    if spec.session:
+        from . import _serve
+
+        return _serve.serve(spec, channels, sink, lambda: _prepare_torch(spec, sink.send))
     started = time.monotonic()
     try:
         function, args = _load_function(spec)
@@ -131,12 +149,13 @@ def _run(spec: WorkerSpec, channels: WorkerChannels, forked: bool) -> int:
         sink.close()  # reports made before the failure still reach the kernel, first
         _report_exception(control, exc, spec)
         _report_imports(control, kernel_modules)
+        _debug.after_failure(exc, functools.partial(_protocol.send, control))
         return 1
     sink.close()
     _report_imports(control, kernel_modules)
-    _flush_all()
+    flush_all()
     try:
-        data = _dumps_result(value)
+        data = dumps_result(value)
     except Exception as exc:
         message = (
             f"rank {spec.rank} returned a value of type {_protocol.type_name(value)} that "
@@ -177,16 +196,7 @@ def _detach_from_kernel(spec: WorkerSpec, channels: WorkerChannels, forked: bool
     if forked:
         for fd in spec.close_fds:
             _close_quietly(fd)
-        _close_inherited_listeners(
-            keep={
-                channels.stdout.fileno(),
-                channels.stderr.fileno(),
-                channels.control.fileno(),
-                channels.stack.fileno(),
-                channels.lifeline.fileno(),
-                channels.gate.fileno(),
-            }
-        )
+        _close_inherited_listeners(keep=set(channels.named_fds().values()))
         _silence_inherited_display()
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -327,7 +337,7 @@ def _forward_display(send: Callable[[_protocol.Message], None]) -> None:
         update: bool = False,
         **kwargs: Any,
     ) -> None:
-        _flush_all()  # what was printed before the display arrives before it
+        flush_all()  # what was printed before the display arrives before it
         if _WIDGET_VIEW in data:
             # A widget's model lives in this worker, whose comm messages cannot reach the
             # frontend: the cell would show "Error displaying widget". Its text form instead.
@@ -384,9 +394,15 @@ def _destroy_process_group() -> None:
 
 
 def _report_exception(control: Connection, exc: BaseException, spec: WorkerSpec) -> None:
+    with contextlib.suppress(OSError, EOFError):
+        _protocol.send(control, failure(exc, spec))
+
+
+def failure(exc: BaseException, spec: WorkerSpec) -> _protocol.Failed:
+    """The :class:`~_protocol.Failed` message for ``exc``, its traceback from the user's code."""
     failed_at = time.monotonic()
     tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(PACKAGE_DIR):
         tb = tb.tb_next
     text = "".join(traceback.TracebackException(type(exc), exc, tb).format())
     message = str(exc)
@@ -397,9 +413,7 @@ def _report_exception(control: Connection, exc: BaseException, spec: WorkerSpec)
             "torch.distributed.init_process_group(...) call, or launch with "
             "init_process_group=False and keep it."
         )
-    with contextlib.suppress(OSError, EOFError):
-        failed = _protocol.Failed(_protocol.type_name(exc), message, text, failed_at)
-        _protocol.send(control, failed)
+    return _protocol.Failed(_protocol.type_name(exc), message, text, failed_at)
 
 
 def _report_imports(control: Connection, kernel_modules: set[str] | None) -> None:
@@ -423,13 +437,13 @@ class _CPUPickler(pickle.Pickler):
         return NotImplemented
 
 
-def _dumps_result(value: Any) -> bytes:
+def dumps_result(value: Any) -> bytes:
     buffer = io.BytesIO()
     _CPUPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
     return buffer.getvalue()
 
 
-def _flush_all() -> None:
+def flush_all() -> None:
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()

@@ -224,3 +224,48 @@ def wait_for_files(folder: Path, pattern: str, count: int, within: float) -> lis
             return found
         time.sleep(0.02)
     raise AssertionError(f"{count} files {pattern} did not appear in {folder} within {within} s")
+
+
+@dataclass
+class Conversation:
+    """A cell run with ``allow_stdin=True``: the prompts it asked and what it published."""
+
+    run: Execution
+    prompts: list[str]
+
+
+def execute_answering(
+    kc: BlockingKernelClient, code: str, answers: list[str], timeout: float = 60
+) -> Conversation:
+    """Run ``code`` with a frontend that answers ``input_request``s with ``answers`` in turn.
+
+    This is what JupyterLab's input box does for ``input()``; an answer beyond the list is
+    an error (the cell asked more than the test expected)."""
+    code = textwrap.dedent(code).strip("\n") + "\n"
+    run = Execution(code=code, msg_id=kc.execute(code, allow_stdin=True), sent_at=time.monotonic())
+    pending, prompts = list(answers), []
+    deadline = time.monotonic() + timeout
+    while run.idle_at is None:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no idle within {timeout} s; prompts so far: {prompts}")
+        try:
+            request = kc.get_stdin_msg(timeout=0.02)
+        except queue.Empty:
+            request = None
+        if request is not None and request["msg_type"] == "input_request":
+            prompts.append(request["content"]["prompt"])
+            if not pending:
+                raise AssertionError(f"unexpected prompt {prompts[-1]!r}; prompts: {prompts}")
+            kc.input(pending.pop(0))
+        try:
+            msg = _to_message(kc.get_iopub_msg(timeout=0.02))
+        except queue.Empty:
+            continue
+        if msg.parent_id != run.msg_id:
+            run.foreign.append(msg)
+        elif msg.msg_type == "status" and msg.content["execution_state"] == "idle":
+            run.idle_at = msg.arrived
+        else:
+            run.mine.append(msg)
+    run.reply = kc.get_shell_msg(timeout=10)
+    return Conversation(run, prompts)

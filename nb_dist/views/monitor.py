@@ -31,6 +31,7 @@ _STATUS_COLORS = {
     "done": "#009E73",
     "failed": "#D55E00",
     "stopped": "#CC79A7",
+    "paused": "#E69F00",
 }
 _REFRESH_EVERY = 0.25  # seconds between widget refreshes
 _PLOT_EVERY = 1.0  # seconds between redraws of the curves
@@ -110,6 +111,12 @@ class LaunchMonitor(_WidgetView):
         self.started_at[local_rank] = time.monotonic()
         self._dirty = True
 
+    def paused(self, local_rank: int, paused: bool) -> None:
+        """A rank stopped in the debugger (``nb_dist.breakpoint``), or went on."""
+        self.status[local_rank] = "paused" if paused else "running"
+        self._dirty = True
+        self.refresh(force=True)  # the loop waits for the notebook now: draw it before
+
     def lines(self, local_rank: int, stream: str, lines: list[str]) -> None:
         tail = self.tails[local_rank]
         tail.extend(lines)
@@ -163,7 +170,8 @@ class LaunchMonitor(_WidgetView):
         now = time.monotonic()
         if self._dirty and (force or now - self._last_refresh >= _REFRESH_EVERY):
             self._last_refresh = now
-            self._dirty = any(s in ("starting", "running") for s in self.status)  # clocks tick
+            # The clocks of live ranks tick.
+            self._dirty = any(s in ("starting", "running", "paused") for s in self.status)
             for local in range(len(self.ranks)):
                 self._render_rank(local, now)
         if self._plot_dirty and (force or now - self._last_plot >= _PLOT_EVERY):

@@ -1,0 +1,169 @@
+"""A live-ranks session written out as a ``torchrun`` script (``Ranks.export``).
+
+The session records what it ran, in order: cells (with the ranks they ran on), functions
+called with their arguments, values pushed. The script starts the process group as the
+session did, defines what the cells use from the kernel's namespace at the start (imports,
+functions and classes by their source, plain values by ``repr``), then replays each step;
+a cell's last expression is printed with its rank, as the session showed it.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import datetime
+import inspect
+import textwrap
+import types
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._plan import LaunchPlan
+from ._tracebacks import ipython_shell
+
+_HEADER = '''\
+"""Exported from an nb_dist live-ranks session ({nprocs} ranks) on {date}.
+
+Run it with:  torchrun --nproc-per-node {nprocs} {name}
+"""
+import torch.distributed as dist
+
+dist.init_process_group("{backend}")  # the session's process group
+
+
+def _show(value):
+    """What the session showed for a cell's last expression, labelled by rank."""
+    if value is not None:
+        print(f"[rank {{dist.get_rank()}}] {{value!r}}", flush=True)
+
+'''
+
+
+@dataclass
+class History:
+    """What a session ran, in order, and the kernel's namespace when it started."""
+
+    steps: list[str] = field(default_factory=list)
+    sources: list[str] = field(default_factory=list)  # everything the steps run, to scan
+    kernel: dict[str, Any] = field(default_factory=dict)
+
+    def started(self, plan: LaunchPlan) -> None:
+        shell = ipython_shell()
+        user_ns = getattr(shell, "user_ns", None)
+        if isinstance(user_ns, dict) and not self.kernel:
+            self.kernel = dict(user_ns)
+        if self.steps or self.sources:
+            self.steps.append("# --- the session restarted here: the ranks' state was reset\n")
+
+    def executed(self, source: str, ranks: list[int], nprocs: int | None = None) -> None:
+        body = _show_last(source)
+        self.sources.append(source)
+        if nprocs is None or len(ranks) != nprocs:
+            listed = ", ".join(map(str, ranks))
+            header = f"# --- cell on rank {listed}\n"
+            body = f"if dist.get_rank() in ({listed},):\n" + textwrap.indent(body, "    ")
+        else:
+            header = "# --- cell\n"
+        self.steps.append(header + body)
+
+    def called(self, function: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        name = getattr(function, "__name__", "function")
+        try:
+            source = textwrap.dedent(inspect.getsource(function))
+        except (OSError, TypeError):
+            source = f"# the source of {name} is not available: define it here\n"
+        call_args = [_literal(a) for a in args] + [f"{k}={_literal(v)}" for k, v in kwargs.items()]
+        self.sources.append(source)
+        self.steps.append(
+            f"# --- run({name}, ...)\n{source}\n_show({name}({', '.join(call_args)}))\n"
+        )
+
+    def pushed(self, values: dict[str, Any]) -> None:
+        lines = ["# --- push"]
+        for name, value in values.items():
+            per_rank = getattr(value, "values", None) if type(value).__name__ == "PerRank" else None
+            if per_rank is not None:
+                items = ", ".join(_literal(v) for v in per_rank)
+                lines.append(f"{name} = [{items}][dist.get_rank()]")
+            else:
+                lines.append(f"{name} = {_literal(value)}")
+        self.steps.append("\n".join(lines) + "\n")
+
+    def script(self, plan: LaunchPlan, name: str) -> str:
+        date = datetime.date.today().isoformat()
+        head = _HEADER.format(nprocs=plan.nprocs, date=date, backend=plan.backend, name=name)
+        end = "\ndist.destroy_process_group()\n"
+        return head + self._definitions() + "\n" + "\n".join(self.steps) + end
+
+    def _definitions(self) -> str:
+        """The kernel's names that the steps use but do not define, as source."""
+        used: set[str] = set()
+        assigned: set[str] = set()
+        for source in self.sources:
+            try:
+                tree = ast.parse(source)
+            except SyntaxError:
+                continue
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Name):
+                    (used if isinstance(node.ctx, ast.Load) else assigned).add(node.id)
+                elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                    assigned.add(node.name)
+                elif isinstance(node, ast.alias):
+                    assigned.add((node.asname or node.name).split(".")[0])
+        lines: list[str] = []
+        for name in sorted(used - vars(builtins).keys()):
+            if name not in self.kernel or name == "dist":
+                continue
+            lines.append(_definition(name, self.kernel[name]))
+        return "\n".join(lines) + ("\n" if lines else "")
+
+
+def _definition(name: str, value: Any) -> str:
+    if isinstance(value, types.ModuleType):
+        module = value.__name__
+        if module == name:
+            return f"import {module}"
+        if "." in module and module.rsplit(".", 1)[1] == name:
+            parent, child = module.rsplit(".", 1)
+            return f"from {parent} import {child}"
+        return f"import {module} as {name}"
+    if isinstance(value, (types.FunctionType, type)):
+        module = getattr(value, "__module__", "__main__")
+        if module != "__main__" and getattr(value, "__name__", None) == name:
+            return f"from {module} import {name}"
+        try:
+            return textwrap.dedent(inspect.getsource(value))
+        except (OSError, TypeError):
+            pass
+    literal = _literal(value, default=None)
+    if literal is not None:
+        return f"{name} = {literal}"
+    return f"# {name} (a {type(value).__name__}) was defined in the notebook: define it here"
+
+
+def _literal(value: Any, default: str | None = "...") -> Any:
+    """``repr(value)`` when it reads back as the same value; else ``default``."""
+    text = repr(value)
+    try:
+        if ast.literal_eval(text) == value:
+            return text
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        pass
+    return default
+
+
+def _show_last(source: str) -> str:
+    """``source`` with its last expression wrapped in ``_show(...)`` (as the session showed it)."""
+    source = textwrap.dedent(source).rstrip() + "\n"
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return source
+    if not tree.body or not isinstance(tree.body[-1], ast.Expr) or source.rstrip().endswith(";"):
+        return source
+    last = tree.body[-1]
+    lines = source.splitlines(keepends=True)
+    start, end = last.lineno - 1, (last.end_lineno or last.lineno)
+    expression = "".join(lines[start:end]).strip()
+    return "".join(lines[:start]) + f"_show({expression})\n" + "".join(lines[end:])
