@@ -30,7 +30,8 @@ What is counted, honestly:
 - Only the Python-level torch.distributed calls in :data:`NAMES`. ``DistributedDataParallel``'s
   gradient all-reduces are issued in C++ (its Reducer calls the process group directly), and so
   are its parameter broadcast at construction and the collectives of FSDP2 and of
-  ``torch.distributed._functional_collectives``: none of them is counted.
+  ``torch.distributed._functional_collectives``: none of them is counted. (DDP's rarer Python
+  calls, such as those under its ``join()`` context manager, are.)
 - With ``async_op=True`` the call returns at once: it counts as entered and left, and the wait
   happens later in ``work.wait()``, outside any counted call.
 - Collectives called from several threads of one rank at once share the counts; ``current``

@@ -330,6 +330,9 @@ def timeout_report(timeout: float, ranks: Sequence[StuckRank]) -> tuple[str, dic
     return "\n".join(lines), stacks
 
 
+COUNTS_HEAD = (
+    "Collectives each rank called from Python (DDP's gradient all-reduces are not counted):"
+)
 COUNTS_DIFFER_NOTE = (
     "The ranks entered different numbers of collectives: some rank skipped a collective the "
     "others called (or called one more often), so the others wait in it forever."
@@ -348,7 +351,7 @@ def collective_counts(ranks: Sequence[StuckRank]) -> list[str]:
     states = {view.rank: view.collectives for view in known if view.collectives is not None}
     top_rank = max(states, key=lambda rank: (states[rank].entered, -rank))
     top = states[top_rank].entered
-    lines = ["Collectives each rank called from Python (DDP's own all-reduces are not counted):"]
+    lines = [COUNTS_HEAD]
     if len(known) == len(ranks) and all(
         s.entered == top and s.current is None for s in states.values()
     ):

@@ -11,6 +11,7 @@ import torch
 from nb_dist import LaunchTimeoutError, notebook_launcher
 from nb_dist._collectives import CollectiveState
 from nb_dist._diagnosis import (
+    COUNTS_HEAD,
     RendezvousView,
     StuckRank,
     distributed_call,
@@ -103,7 +104,6 @@ def test_rendezvous_report_causes():
 
 # ------------------------------------------------------------------ collective counts
 SLEEP = [("/work/train.py", 14, "train")]
-COUNTS_HEAD = "Collectives each rank called from Python (DDP's own all-reduces are not counted):"
 
 
 def _counts(entered, current=None, completed=None):
@@ -138,8 +138,10 @@ def test_timeout_report_counts_of_a_rank_behind_inside_another_collective():
             StuckRank(0, "blocked", tuple(ALL_REDUCE), collectives=_counts(57, "all_reduce")),
             StuckRank(1, "blocked", (), collectives=_counts(56, "barrier")),
             StuckRank(2, "teardown", collectives=_counts(55)),
+            StuckRank(3, "ended", outcome="rank 3 failed", collectives=_counts(57, "all_reduce")),
         ],
     )
+    assert "rank 3 was in all_reduce #57 when it ended" in text
     assert "rank 1 waits in barrier #56 (rank 0 entered 57)" in text
     assert (
         "rank 2 entered only 55 collectives (rank 0: 57) and had returned from the function" in text
