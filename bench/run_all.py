@@ -44,6 +44,7 @@ BENCHMARKS = (
     "scaling",
     "relaunch",
     "fork_after_compute",
+    "collective_counter",
 )
 README = ROOT / "README.md"
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"

@@ -11,6 +11,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ._collectives import CollectiveState
 from ._errors import RankOutcome
 from ._tracebacks import FAULT_FRAME, PACKAGE_DIR, blocked_place, format_frames, relabel_cells
 
@@ -294,6 +295,8 @@ class StuckRank:
     state: str
     frames: tuple[Frame, ...] = ()
     outcome: str = ""
+    #: What its collective counter said (see _collectives.py); ``None`` if unknown.
+    collectives: CollectiveState | None = None
 
 
 def timeout_report(timeout: float, ranks: Sequence[StuckRank]) -> tuple[str, dict[int, str]]:
@@ -315,13 +318,75 @@ def timeout_report(timeout: float, ranks: Sequence[StuckRank]) -> tuple[str, dic
             lines.append(f"rank {view.rank} was still starting")
         else:
             lines.append(view.outcome)
+    lines.extend(collective_counts(ranks))
     for rank, text in stacks.items():
         lines.append(f"\nStack of rank {rank} (most recent call last):\n{text}")
     if calls:
         lines.append("\n" + timeout_hint(calls))
+    if _counts_differ(ranks):
+        lines.append(COUNTS_DIFFER_NOTE)
     if any(view.state == "teardown" for view in ranks):
         lines.append(TEARDOWN_NOTE)
     return "\n".join(lines), stacks
+
+
+COUNTS_HEAD = (
+    "Collectives each rank called from Python (DDP's gradient all-reduces are not counted):"
+)
+COUNTS_DIFFER_NOTE = (
+    "The ranks entered different numbers of collectives: some rank skipped a collective the "
+    "others called (or called one more often), so the others wait in it forever."
+)
+
+
+def collective_counts(ranks: Sequence[StuckRank]) -> list[str]:
+    """A line per rank with known counts: which collective it waits in, or how far behind it is.
+
+    Nothing when no rank's counts are known. The counts are of torch.distributed calls made
+    from Python (DDP's gradient all-reduces run in C++ and are not among them).
+    """
+    known = [view for view in ranks if view.collectives is not None]
+    if not known:
+        return []
+    states = {view.rank: view.collectives for view in known if view.collectives is not None}
+    top_rank = max(states, key=lambda rank: (states[rank].entered, -rank))
+    top = states[top_rank].entered
+    lines = [COUNTS_HEAD]
+    if len(known) == len(ranks) and all(
+        s.entered == top and s.current is None for s in states.values()
+    ):
+        return [*lines, f"every rank entered {top} collectives; none is inside one"]
+    for view in known:
+        state = states[view.rank]
+        if state.current is not None and view.state == "ended":
+            line = f"rank {view.rank} was in {state.current} #{state.entered} when it ended"
+        elif state.current is not None:
+            line = f"rank {view.rank} waits in {state.current} #{state.entered}"
+            if state.entered < top:
+                line += f" (rank {top_rank} entered {top})"
+        elif state.entered < top:
+            line = (
+                f"rank {view.rank} entered only {state.entered} collectives (rank {top_rank}: "
+                f"{top}) and {_whereabouts(view)}"
+            )
+        else:
+            line = f"rank {view.rank} entered {state.entered} collectives and is inside none"
+        lines.append(line)
+    return lines
+
+
+def _whereabouts(view: StuckRank) -> str:
+    if view.state == "blocked":
+        return f"is at {blocked_place(list(view.frames))}"
+    if view.state == "teardown":
+        return "had returned from the function"
+    if view.state == "starting":
+        return "was still starting"
+    return "had ended"
+
+
+def _counts_differ(ranks: Sequence[StuckRank]) -> bool:
+    return len({view.collectives.entered for view in ranks if view.collectives is not None}) > 1
 
 
 def straggler_notice(

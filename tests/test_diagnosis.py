@@ -9,12 +9,16 @@ import pytest
 import torch
 
 from nb_dist import LaunchTimeoutError, notebook_launcher
+from nb_dist._collectives import CollectiveState
 from nb_dist._diagnosis import (
+    COUNTS_HEAD,
     RendezvousView,
+    StuckRank,
     distributed_call,
     is_rendezvous,
     rendezvous_report,
     timeout_hint,
+    timeout_report,
 )
 
 TORCH = "/venv/lib/python3.11/site-packages/torch"
@@ -96,6 +100,92 @@ def test_rendezvous_report_causes():
 
     joined, _ = rendezvous_report(3, 2, [_view(0, done=True), _view(1, 3.0)])
     assert "rank 0 had joined the process group" in joined
+
+
+# ------------------------------------------------------------------ collective counts
+SLEEP = [("/work/train.py", 14, "train")]
+
+
+def _counts(entered, current=None, completed=None):
+    done = completed if completed is not None else entered - (current is not None)
+    return CollectiveState(entered=entered, completed=done, current=current, pid=1)
+
+
+def test_timeout_report_names_the_collective_a_rank_skipped():
+    text, stacks = timeout_report(
+        3,
+        [
+            StuckRank(0, "blocked", tuple(ALL_REDUCE), collectives=_counts(57, "all_reduce")),
+            StuckRank(1, "blocked", tuple(SLEEP), collectives=_counts(56)),
+        ],
+    )
+    lines = text.splitlines()
+    head = lines.index(COUNTS_HEAD)
+    assert lines[head + 1] == "rank 0 waits in all_reduce #57"
+    assert lines[head + 2] == (
+        "rank 1 entered only 56 collectives (rank 0: 57) and is at train.py, line 14, in train"
+    )
+    assert head == 3 and lines[1].startswith("rank 0 was blocked at")  # after the places
+    assert "A rank blocked in a collective (all_reduce, barrier, ...)" in text
+    assert text.endswith("so the others wait in it forever.")
+    assert list(stacks) == [0, 1]
+
+
+def test_timeout_report_counts_of_a_rank_behind_inside_another_collective():
+    text, _ = timeout_report(
+        3,
+        [
+            StuckRank(0, "blocked", tuple(ALL_REDUCE), collectives=_counts(57, "all_reduce")),
+            StuckRank(1, "blocked", (), collectives=_counts(56, "barrier")),
+            StuckRank(2, "teardown", collectives=_counts(55)),
+            StuckRank(3, "ended", outcome="rank 3 failed", collectives=_counts(57, "all_reduce")),
+        ],
+    )
+    assert "rank 3 was in all_reduce #57 when it ended" in text
+    assert "rank 1 waits in barrier #56 (rank 0 entered 57)" in text
+    assert (
+        "rank 2 entered only 55 collectives (rank 0: 57) and had returned from the function" in text
+    )
+
+
+def test_timeout_report_with_equal_counts():
+    outside = [StuckRank(rank, "blocked", tuple(CONV), collectives=_counts(57)) for rank in (0, 1)]
+    text, _ = timeout_report(3, outside)
+    assert f"{COUNTS_HEAD}\nevery rank entered 57 collectives; none is inside one" in text
+    assert "No rank was in a collective" in text and "different numbers" not in text
+
+    inside = [
+        StuckRank(rank, "blocked", tuple(ALL_REDUCE), collectives=_counts(57, "all_reduce"))
+        for rank in (0, 1)
+    ]
+    text, _ = timeout_report(3, inside)
+    assert "rank 0 waits in all_reduce #57\nrank 1 waits in all_reduce #57" in text
+    assert "entered only" not in text and "different numbers" not in text
+
+
+def test_timeout_report_without_counts_is_unchanged():
+    views = [StuckRank(0, "blocked", tuple(ALL_REDUCE)), StuckRank(1, "starting")]
+    text, _ = timeout_report(2, views)
+    assert text == "\n".join(
+        [
+            "The launch did not finish within timeout=2 s, so all ranks were stopped.",
+            "rank 0 was blocked at 123.py, line 9, in train",
+            "rank 1 was still starting",
+            "",
+            "Stack of rank 0 (most recent call last):",
+            '  File "/tmp/ipykernel_1/123.py", line 9, in train',
+            f'  File "{TORCH}/distributed/c10d_logger.py", line 83, in wrapper',
+            f'  File "{TORCH}/distributed/distributed_c10d.py", line 3252, in all_reduce',
+            "",
+            timeout_hint(["all_reduce"]),
+        ]
+    )
+    # Counts known for some ranks only: only those get a line, and "every rank" is not said.
+    partial, _ = timeout_report(
+        2, [StuckRank(0, "blocked", tuple(CONV), collectives=_counts(4)), views[1]]
+    )
+    assert "rank 0 entered 4 collectives and is inside none" in partial
+    assert "every rank" not in partial and "rank 1 entered" not in partial
 
 
 # A launch in this process (fork): the timeout hint for a rank that is not in a collective.
