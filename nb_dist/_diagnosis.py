@@ -299,9 +299,19 @@ class StuckRank:
     collectives: CollectiveState | None = None
 
 
-def timeout_report(timeout: float, ranks: Sequence[StuckRank]) -> tuple[str, dict[int, str]]:
-    """The text of a ``LaunchTimeoutError`` and the stack of every blocked rank."""
-    lines = [f"The launch did not finish within timeout={timeout:g} s, so all ranks were stopped."]
+def timeout_report(
+    timeout: float, ranks: Sequence[StuckRank], what: str = "launch"
+) -> tuple[str, dict[int, str]]:
+    """The text of a ``LaunchTimeoutError`` and the stack of every blocked rank.
+
+    ``what="cell"``: a live-ranks task, which is interrupted rather than stopped."""
+    if what == "cell":
+        first = f"The cell did not finish within timeout={timeout:g} s, so it was interrupted."
+    else:
+        first = (
+            f"The launch did not finish within timeout={timeout:g} s, so all ranks were stopped."
+        )
+    lines = [first]
     stacks: dict[int, str] = {}
     calls: list[str | None] = []
     for view in ranks:

@@ -15,13 +15,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import _openmp, _ports, _prompts, _warm
+from . import _collectives, _openmp, _ports, _prompts, _warm
 from ._errors import LaunchInterrupted, LaunchTimeoutError, WorkerFailedError
 from ._output import OutputRouter
 from ._plan import LaunchPlan, check_arguments, decide
 from ._result import LaunchResult
 from ._supervisor import AttemptResult, Supervisor
 from ._tracebacks import ipython_shell
+from ._worker import COLLECTIVES_ENV
 
 # How long workers may take to reach the rendezvous store (the store's client timeout).
 _STORE_TIMEOUT = 300.0
@@ -211,15 +212,12 @@ def _attempt(
         _warm.wait()  # a restart forks again: no half-imported module may be copied
         _openmp.release_pool()  # and the kernel may have an OpenMP pool again
     store = None
-    error_dir = tempfile.mkdtemp(prefix="nb_dist_errors_")
+    error_dir = scratch_folder("nb_dist_errors_")
     try:
         if plan.node_rank == 0:
             store = _ports.open_store(plan.master_addr, plan.port, plan.world_size, _STORE_TIMEOUT)
         port = store.port if store is not None else plan.port or 0
-        envs = [
-            plan.worker_env(local, port, attempt, _error_file(error_dir, rank))
-            for local, rank in enumerate(plan.ranks)
-        ]
+        envs = [rank_env(plan, local, port, attempt, error_dir) for local in range(plan.nprocs)]
         supervisor = Supervisor(plan, envs, router, live_view)
         try:
             return supervisor.run(), port
@@ -237,9 +235,21 @@ def _attempt(
         shutil.rmtree(error_dir, ignore_errors=True)
 
 
-def _error_file(folder: str, rank: int) -> str:
+def scratch_folder(prefix: str) -> str:
+    """A private folder for a launch's per-rank files: in memory (/dev/shm) where possible,
+    since the collective counters are written at every collective."""
+    shm = "/dev/shm"
+    where = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
+    return tempfile.mkdtemp(prefix=prefix, dir=where)
+
+
+def rank_env(plan: LaunchPlan, local: int, port: int, attempt: int, folder: str) -> dict[str, str]:
+    """One rank's environment, with its error file and collective counter in ``folder``."""
+    rank = plan.ranks[local]
     os.makedirs(os.path.join(folder, str(rank)), exist_ok=True)
-    return os.path.join(folder, str(rank), "error.json")
+    env = plan.worker_env(local, port, attempt, os.path.join(folder, str(rank), "error.json"))
+    env[COLLECTIVES_ENV] = _collectives.create(folder, rank)
+    return env
 
 
 def _interrupted(nprocs: int) -> KeyboardInterrupt:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from . import _protocol
+from . import _collectives, _protocol
 from ._diagnosis import Frame, RendezvousView, StuckRank, ended_without_value
 from ._errors import RankOutcome, RankStatus
 from ._output import LineSplitter, OutputRouter
@@ -275,16 +275,20 @@ class Rank:
             entries.append((item.name, entry))
         return entries
 
-    def stuck_view(self, was_live: bool, frames: list[Frame] | None) -> StuckRank:
-        """This rank for a timeout report (``frames``: its stack, if one was taken)."""
+    def stuck_view(
+        self, was_live: bool, frames: list[Frame] | None, counter: str | None = None
+    ) -> StuckRank:
+        """This rank for a timeout report (``frames``: its stack, if one was taken;
+        ``counter``: its collective counter file)."""
         out = self.outcome
+        counts = _collectives.read(counter) if counter else None
         if out.returned_at is not None and was_live:
-            return StuckRank(out.rank, "teardown")
+            return StuckRank(out.rank, "teardown", collectives=counts)
         if frames is not None:
-            return StuckRank(out.rank, "blocked", frames=tuple(frames))
+            return StuckRank(out.rank, "blocked", frames=tuple(frames), collectives=counts)
         if was_live:
-            return StuckRank(out.rank, "starting")
-        return StuckRank(out.rank, "ended", outcome=out.describe())
+            return StuckRank(out.rank, "starting", collectives=counts)
+        return StuckRank(out.rank, "ended", outcome=out.describe(), collectives=counts)
 
     def rendezvous_view(
         self, now: float, was_live: bool, frames: list[Frame] | None

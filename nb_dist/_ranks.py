@@ -14,9 +14,9 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import itertools
+import linecache
 import os
 import shutil
-import tempfile
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -24,7 +24,7 @@ from typing import Any
 
 from . import _export, _ports, _prompts, _protocol, _warm
 from ._errors import LaunchError
-from ._launcher import _STORE_TIMEOUT, _open_monitor
+from ._launcher import _STORE_TIMEOUT, _open_monitor, rank_env, scratch_folder
 from ._output import OutputRouter
 from ._plan import LaunchPlan, check_arguments, decide
 from ._result import LaunchResult
@@ -130,14 +130,15 @@ class Ranks:
         _prompts.release_all()
         plan = decide(self._checked, *self._requested)
         self.plan: LaunchPlan = plan
-        self._folder = tempfile.mkdtemp(prefix="nb_dist_ranks_")
+        self._folder = scratch_folder("nb_dist_ranks_")
         try:
             self._store = _ports.open_store(
                 plan.master_addr, plan.port, plan.world_size, _STORE_TIMEOUT
             )
+            port = self._store.port
             envs = [
-                plan.worker_env(local, self._store.port, self.restarts, self._error_file(rank))
-                for local, rank in enumerate(plan.ranks)
+                rank_env(plan, local, port, self.restarts, self._folder)
+                for local in range(plan.nprocs)
             ]
             router = self._router()
             for text in plan.notices:
@@ -150,11 +151,6 @@ class Ranks:
         except BaseException:
             self._release_store()
             raise
-
-    def _error_file(self, rank: int) -> str:
-        assert self._folder is not None
-        os.makedirs(os.path.join(self._folder, str(rank)), exist_ok=True)
-        return os.path.join(self._folder, str(rank), "error.json")
 
     @staticmethod
     def pids_of(supervisor: SessionSupervisor) -> list[int]:
@@ -270,6 +266,8 @@ class Ranks:
         except SyntaxError as exc:
             raise exc.with_traceback(None) from None  # shown once, not once per rank
         local = self._local_ranks(rank)
+        if filename is None:  # the kernel shows this code in stacks and tracebacks too
+            linecache.cache[name] = (len(source), None, source.splitlines(True), name)
         result = self._task(lambda r: _protocol.Execute(0, source, name), local, timeout)
         self._history.executed(source, [self.plan.ranks[i] for i in local], self.num_processes)
         return result

@@ -27,7 +27,7 @@ from typing import Any
 
 from . import _collectives, _debug, _protocol
 from ._reporting import _Sink
-from ._worker import WorkerChannels, WorkerSpec, dumps_result, failure, flush_all
+from ._worker import WorkerChannels, WorkerSpec, dumps_result, failure, flush_all, unpicklable
 
 #: Names ``Ranks.push`` may not set: they would break the rank's namespace itself.
 RESERVED = frozenset({"__builtins__", "__name__"})
@@ -114,11 +114,15 @@ def _run_task(
         finally:
             interrupts.in_task = False
         flush_all()  # what the task printed arrives before its value
-        data = dumps_result(value)
     except BaseException as exc:
         flush_all()
         sink.send(failure(exc, spec))
         _debug.after_failure(exc, sink.send)
+        return
+    try:
+        data = dumps_result(value)
+    except Exception as exc:
+        sink.send(unpicklable(value, exc, spec.rank))
         return
     sink.send(_protocol.Result(time.monotonic() - started, len(data)), raw=data)
 

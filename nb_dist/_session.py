@@ -28,6 +28,7 @@ from typing import Any
 from . import _diagnosis, _protocol
 from ._errors import LaunchInterrupted, LaunchTimeoutError, WorkerFailedError
 from ._output import OutputRouter
+from ._processes import signal_name
 from ._rank import Rank
 from ._supervisor import AttemptResult, Supervisor
 
@@ -52,6 +53,7 @@ class SessionSupervisor(Supervisor):
 
     task_count = 0
     lost: Lost | None = None
+    _closed = False
 
     # ----------------------------------------------------------------- life
     def start(self) -> None:
@@ -72,6 +74,9 @@ class SessionSupervisor(Supervisor):
 
     def close(self) -> None:
         """Let every rank leave (its process group destroyed), kill what does not, reap."""
+        if self._closed:
+            return
+        self._closed = True
         for worker in self.workers:
             if worker.commands is not None and not worker.commands.closed:
                 worker.commands.close()  # EOF: the rank's loop ends
@@ -95,11 +100,11 @@ class SessionSupervisor(Supervisor):
         self._poll_processes()
         dead = [w for w in self.workers if not w.alive]
         if dead:
-            self.lost = Lost(
-                f"{_diagnosis.ended_without_value(dead[0].returncode, dead[0].outcome.signal_name)}"
-                f" (rank {dead[0].outcome.rank}, between tasks)",
-                dead_rank=True,
-            )
+            code = dead[0].returncode
+            signal = signal_name(-code) if code is not None and code < 0 else None
+            how = _diagnosis.ended_without_value(code, signal)
+            self.lost = Lost(f"rank {dead[0].outcome.rank} ended between cells: {how}.", True)
+            self.close()
             return None
         counts = {w.outcome.rank: w.collectives for w in self.workers}
         if len(set(counts.values())) > 1:
@@ -251,8 +256,11 @@ class SessionSupervisor(Supervisor):
     def _task_timeout(self, timeout: float) -> LaunchTimeoutError:
         live = [w for w in self.workers if w.alive and not w.finished]
         frames = self._stacks(live)
-        views = [w.stuck_view(w in live, frames.get(w.local_rank)) for w in self.workers]
-        text, stacks = _diagnosis.timeout_report(timeout, views)
+        views = [
+            w.stuck_view(w in live, frames.get(w.local_rank), self.counter_file(w))
+            for w in self.workers
+        ]
+        text, stacks = _diagnosis.timeout_report(timeout, views, what="cell")
         stuck = self._settle_interrupted()
         if stuck:
             names = ", ".join(str(w.outcome.rank) for w in stuck)

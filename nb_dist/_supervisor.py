@@ -33,7 +33,7 @@ from ._output import OutputRouter
 from ._plan import LaunchPlan
 from ._rank import FINAL, Rank
 from ._reporting import Reports
-from ._worker import WorkerSpec
+from ._worker import COLLECTIVES_ENV, WorkerSpec
 
 # How long a stopped worker gets between SIGTERM and SIGKILL; keeps "stopped within 1 s".
 STOP_GRACE = 0.4
@@ -392,7 +392,10 @@ class Supervisor:
 
     def _timeout_error(self) -> LaunchTimeoutError:
         live, frames = self._stop_with_stacks()
-        views = [w.stuck_view(w in live, frames.get(w.local_rank)) for w in self.workers]
+        views = [
+            w.stuck_view(w in live, frames.get(w.local_rank), self.counter_file(w))
+            for w in self.workers
+        ]
         timeout = self.config.timeout or 0.0
         text, stacks = _diagnosis.timeout_report(timeout, views)
         outcomes = [w.outcome for w in self.workers]
@@ -406,6 +409,10 @@ class Supervisor:
         outcomes = [w.outcome for w in self.workers]
         error = RendezvousTimeoutError(text, limit, stacks, outcomes, self._logs())
         return self._with_reports(error)
+
+    def counter_file(self, worker: Rank) -> str | None:
+        """The rank's collective counter file (``_collectives.py``), if it has one."""
+        return self.worker_env[worker.local_rank].get(COLLECTIVES_ENV)
 
     def _logs(self) -> list[str]:
         return [self.router.log_text(w.local_rank) for w in self.workers]

@@ -32,6 +32,8 @@ from ._tracebacks import PACKAGE_DIR
 
 # Set in a worker so that a launch from inside a worker is refused (see preflight).
 WORKER_ENV_FLAG = "NB_DIST_WORKER_RANK"
+# The rank's collective counter file (see _collectives.py), in its environment.
+COLLECTIVES_ENV = "NB_DIST_COLLECTIVES"
 
 _PR_SET_PDEATHSIG = 1
 
@@ -157,19 +159,23 @@ def _run(spec: WorkerSpec, channels: WorkerChannels, forked: bool) -> int:
     try:
         data = dumps_result(value)
     except Exception as exc:
-        message = (
-            f"rank {spec.rank} returned a value of type {_protocol.type_name(value)} that "
-            f"cannot be sent back to the kernel ({type(exc).__name__}: {exc}). Return something "
-            "picklable (numbers, strings, lists, dicts, tensors, a state_dict), or save it to a "
-            "file and return the path."
-        )
-        failed = _protocol.Failed("UnpicklableResultError", message, "", time.monotonic())
-        _protocol.send(control, failed)
+        _protocol.send(control, unpicklable(value, exc, spec.rank))
         return 1
     # The size, then the raw bytes (see _protocol.Result).
     _protocol.send(control, _protocol.Result(time.monotonic() - started, len(data)))
     _protocol.write_raw(control, data)
     return 0
+
+
+def unpicklable(value: Any, exc: Exception, rank: int) -> _protocol.Failed:
+    """The failure of a rank whose value cannot be pickled for the kernel."""
+    message = (
+        f"rank {rank} returned a value of type {_protocol.type_name(value)} that "
+        f"cannot be sent back to the kernel ({type(exc).__name__}: {exc}). Return something "
+        "picklable (numbers, strings, lists, dicts, tensors, a state_dict), or save it to a "
+        "file and return the path."
+    )
+    return _protocol.Failed("UnpicklableResultError", message, "", time.monotonic())
 
 
 def _detach_from_kernel(spec: WorkerSpec, channels: WorkerChannels, forked: bool) -> None:
@@ -376,6 +382,11 @@ def _prepare_torch(spec: WorkerSpec, send: Callable[[_protocol.Message], None]) 
     from . import _rendezvous
 
     _rendezvous.install(send, spec.env["MASTER_ADDR"], int(spec.env["MASTER_PORT"]))
+    counter = spec.env.get(COLLECTIVES_ENV)
+    if counter:
+        from . import _collectives
+
+        _collectives.install(counter)  # which collective this rank is in, for hang reports
     if spec.threads is not None:
         torch.set_num_threads(spec.threads)
     if spec.use_gpu:

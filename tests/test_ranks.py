@@ -1,0 +1,284 @@
+"""Live ranks (nb_dist.Ranks) with real processes: tasks, namespaces, failures, restarts.
+
+The ranks are forked from this test process, as they are from a kernel (their namespace is
+then pytest's __main__, so each session first imports what its cells use); what only a kernel
+has (the notebook's namespace, the %%ranks magic, interrupts from the frontend, kernel death)
+is in test_ranks_kernel.py.
+Events are ordered with handshakes (files the ranks write), never with sleeps.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+import torch.distributed as dist
+from process_helpers import assert_all_gone
+
+import nb_dist
+from nb_dist import LaunchTimeoutError, Ranks, SessionError, WorkerFailedError, per_rank
+
+pytestmark = pytest.mark.timeout(120)
+
+IMPORTS = "import os, signal, torch, torch.distributed as dist, nb_dist"
+
+
+@pytest.fixture
+def ranks():
+    session = Ranks(2, output="grouped")
+    try:
+        session.exec(IMPORTS)
+        yield session
+    finally:
+        pids = session.pids
+        session.close()
+        assert_all_gone(pids)
+
+
+# ----------------------------------------------------------------------------- basics
+def test_each_rank_has_the_process_group_and_its_own_namespace(ranks):
+    assert ranks.exec("dist.get_world_size()") == [2, 2]
+    ranks.exec("x = torch.ones(2) * dist.get_rank()")
+    pulled = ranks.pull("x")
+    assert [t.tolist() for t in pulled] == [[0.0, 0.0], [1.0, 1.0]]
+
+
+def test_state_survives_between_tasks_and_collectives_work(ranks):
+    ranks.exec("t = torch.tensor([float(dist.get_rank() + 1)])")
+    ranks.exec("dist.all_reduce(t)")
+    assert ranks.pull("t")[0].item() == 3.0
+    assert ranks.cells == 4  # the imports, two exec and one pull
+
+
+def _times(value, k=1):
+    return value * k * (dist.get_rank() + 1)
+
+
+def test_run_calls_a_function_with_args_and_kwargs(ranks):
+    # A notebook's functions (module __main__) are shipped by value and see the rank's
+    # namespace: that is tested in a real kernel (test_ranks_kernel.py).
+    assert ranks.run(_times, 21, k=2) == [42, 84]
+    assert ranks.run(lambda: dist.get_rank() * 10) == [0, 10]
+
+
+def test_push_same_value_and_per_rank_values(ranks):
+    ranks.push(lr=0.5, seed=per_rank(7, 8))
+    assert ranks.pull("lr", "seed") == [(0.5, 7), (0.5, 8)]
+
+
+def test_exec_on_some_ranks_only(ranks):
+    result = ranks.exec("dist.get_rank()", rank=1)
+    assert list(result) == [1] and result.ranks == [1]
+
+
+def test_reports_accumulate_across_tasks(ranks):
+    ranks.exec("nb_dist.report('loss', 1.0 + dist.get_rank())")
+    result = ranks.exec("nb_dist.report('loss', 0.5)")
+    assert [value for _, value in result.reports["loss"][1]] == [2.0, 0.5]
+
+
+def test_output_is_labelled_and_kept_in_logs(ranks, capsys):
+    result = ranks.exec("print('hello from', dist.get_rank())")
+    out = capsys.readouterr().out
+    assert "[rank 0] hello from 0" in out and "[rank 1] hello from 1" in out
+    assert result.logs == ["hello from 0\n", "hello from 1\n"]
+
+
+# ----------------------------------------------------------------------------- failures
+def test_a_failure_on_one_rank_leaves_the_session_usable(ranks):
+    with pytest.raises(WorkerFailedError) as info:
+        ranks.exec("if dist.get_rank() == 1:\n    raise ValueError('bad shard')\nx = 1")
+    text = str(info.value)
+    assert text.startswith("rank 1 failed first: ValueError: bad shard")
+    assert "The session is still usable" in text
+    assert info.value.root_cause.rank == 1
+    assert ranks.exec("dist.get_rank()") == [0, 1]
+
+
+def test_a_rank_blocked_in_a_skipped_collective_restarts_the_session(ranks):
+    ranks.exec("state = 'kept'")
+    old = ranks.pids
+    with pytest.raises(WorkerFailedError) as info:
+        ranks.exec("if dist.get_rank() == 1:\n    raise ValueError('skips')\ndist.barrier()")
+    text = str(info.value)
+    assert "rank 1 failed first: ValueError: skips" in text
+    assert "the session was restarted with fresh ranks" in text
+    assert "state was lost" in text
+    assert_all_gone(old)
+    assert ranks.restarts == 1 and set(ranks.pids).isdisjoint(old)
+    assert ranks.exec("'state' in globals()") == [False, False]
+    ranks.exec(IMPORTS)  # fresh ranks: a fresh copy of pytest's namespace
+    assert ranks.exec("dist.get_world_size()") == [2, 2]
+
+
+def test_timeout_shows_stacks_and_interrupts_the_cell(ranks, tmp_path):
+    with pytest.raises(LaunchTimeoutError) as info:
+        ranks.exec("import time\nif dist.get_rank() == 0:\n    time.sleep(60)", timeout=2)
+    text = str(info.value)
+    assert "rank 0 was blocked at `time.sleep(60)`" in text
+    assert "The session is still usable" in text
+    assert ranks.restarts == 0
+    assert ranks.exec("dist.get_rank()") == [0, 1]
+
+
+def test_timeout_in_a_collective_restarts_with_the_stacks(ranks):
+    with pytest.raises(LaunchTimeoutError) as info:
+        ranks.exec("if dist.get_rank() == 0:\n    dist.barrier()", timeout=2)
+    text = str(info.value)
+    assert "barrier" in text
+    assert "did not stop when interrupted" in text and "state was lost" in text
+    ranks.exec(IMPORTS)
+    assert ranks.exec("dist.get_rank()") == [0, 1]
+
+
+@pytest.mark.parametrize("how", ["os._exit(3)", "os.kill(os.getpid(), signal.SIGKILL)"])
+def test_a_rank_that_dies_is_named_and_restart_brings_fresh_ranks(ranks, how):
+    old = ranks.pids
+    with pytest.raises(WorkerFailedError) as info:
+        ranks.exec(f"import os, signal\nif dist.get_rank() == 1:\n    {how}\ndist.barrier()")
+    text = str(info.value)
+    assert "rank 1 failed first" in text
+    assert ("exited with code 3" in text) if "_exit" in how else ("SIGKILL" in text)
+    assert "Rank 1 died" in text and "restart()" in text
+    assert_all_gone(old)
+    with pytest.raises(SessionError, match="restart"):
+        ranks.exec("1")
+    ranks.restart()
+    ranks.exec(IMPORTS)
+    assert ranks.exec("dist.get_rank()") == [0, 1]
+
+
+def test_a_rank_killed_between_tasks_is_found_before_the_next(ranks):
+    os.kill(ranks.pids[0], signal.SIGKILL)
+    _await_death(ranks.pids[0])
+    with pytest.raises(SessionError, match=r"rank 0 ended between cells: .*SIGKILL"):
+        ranks.exec("1")
+    ranks.restart()
+    assert ranks.exec("1") == [1, 1]
+
+
+def test_ranks_out_of_step_are_reported_before_the_next_task(ranks, capsys):
+    ranks.exec("solo = dist.new_group([0])")  # a group of rank 0 alone
+    ranks.exec("if dist.get_rank() == 0:\n    dist.all_reduce(torch.ones(1), group=solo)")
+    capsys.readouterr()
+    ranks.exec("1")
+    err = capsys.readouterr().err
+    assert "the ranks are out of step" in err and "rank 0: 1, rank 1: 0" in err
+
+
+def _await_death(pid: int) -> None:
+    """Until ``pid`` (a child of this process) has ended, all its threads too; not reaped."""
+    deadline = time.monotonic() + 10
+    while os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+        assert time.monotonic() < deadline, f"rank {pid} did not die"
+        time.sleep(0.005)
+
+
+# ----------------------------------------------------------------------------- bad input
+def test_a_syntax_error_is_raised_once_in_the_kernel(ranks):
+    with pytest.raises(SyntaxError):
+        ranks.exec("for x in")
+    assert ranks.cells == 1  # only the imports: nothing was sent
+
+
+def test_pulling_a_missing_name_says_which_ranks(ranks):
+    ranks.exec("only_on_zero = 1", rank=0)
+    with pytest.raises(WorkerFailedError, match="'only_on_zero' not defined on rank 1"):
+        ranks.pull("only_on_zero")
+    with pytest.raises(TypeError, match="variable names as strings"):
+        ranks.pull("not a name")
+
+
+def test_unpicklable_values(ranks):
+    with pytest.raises(TypeError, match="cannot be sent to the ranks"):
+        ranks.push(lock=threading.Lock())
+    with pytest.raises(TypeError, match="cannot be sent to the ranks"):
+        ranks.run(len, threading.Lock())
+    ranks.exec("import threading\nlock = threading.Lock()")
+    with pytest.raises(WorkerFailedError, match="cannot be sent back to the kernel"):
+        ranks.pull("lock")
+    assert ranks.exec("1") == [1, 1]
+
+
+def test_bad_arguments_name_the_parameter(ranks):
+    with pytest.raises(ValueError, match=r"push\(x=per_rank\(\.\.\.\)\) got 3 values for 2 ranks"):
+        ranks.push(x=per_rank(1, 2, 3))
+    with pytest.raises(ValueError, match="rank=5"):
+        ranks.exec("1", rank=5)
+    with pytest.raises(TypeError, match="pass the code as a string"):
+        ranks.exec(42)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="num_processes=0"):
+        Ranks(0)
+
+
+def test_a_closed_session_says_how_to_start_one():
+    session = Ranks(2)
+    pids = session.pids
+    session.close()
+    session.close()  # twice is fine
+    assert_all_gone(pids)
+    with pytest.raises(SessionError, match=r"closed\. Start a new one"):
+        session.exec("1")
+
+
+def test_context_manager_closes():
+    with Ranks(2) as session:
+        pids = session.pids
+        assert session.exec("1") == [1, 1]
+    assert session.closed
+    assert_all_gone(pids)
+
+
+# ----------------------------------------------------------------------------- no leaks
+def _kernel_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_no_processes_threads_or_fds_left_after_many_cells_with_faults():
+    threads_before, fds_before = threading.active_count(), _kernel_fds()
+    me = psutil.Process()
+    with Ranks(2) as session:
+        session.exec(IMPORTS)
+        for cell in range(100):
+            if cell % 25 == 7:
+                with pytest.raises(WorkerFailedError):
+                    session.exec("if dist.get_rank() == 0:\n    raise RuntimeError('fault')")
+            elif cell % 25 == 19:
+                with pytest.raises(WorkerFailedError):  # blocked: the session restarts
+                    session.exec("if dist.get_rank() == 0:\n    raise RuntimeError('x')\n"
+                                 "dist.barrier()")  # fmt: skip
+            else:
+                assert session.exec(f"{cell} + dist.get_rank()") == [cell, cell + 1]
+            if session.restarts and cell % 25 == 19:
+                session.exec(IMPORTS)  # fresh ranks: pytest's namespace again
+        assert session.restarts == 4
+        pids = session.pids
+    assert_all_gone(pids)
+    assert [p for p in me.children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE] == []
+    assert threading.active_count() == threads_before
+    assert _kernel_fds() <= fds_before
+
+
+def test_spawned_ranks_start_from_an_empty_namespace():
+    with Ranks(2, start_method="spawn") as session:
+        assert session.exec("'IMPORTS' in globals() or 'pytest' in globals()") == [False, False]
+        session.exec("import torch.distributed as dist")
+        assert session.exec("dist.get_rank()") == [0, 1]
+
+
+def test_the_kernel_process_group_check_applies(tmp_path):
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        with pytest.raises(nb_dist.UnsafeLaunchError, match="process group"):
+            Ranks(2)
+    finally:
+        dist.destroy_process_group()
+
+
+assert torch is not None  # the ranks' namespace uses `torch` from this module
