@@ -1,0 +1,198 @@
+"""Live ranks in a real ipykernel (jupyter_client): what only a notebook has.
+
+The notebook's namespace reaching the ranks, the ``%%ranks`` magic and what its cells show,
+the frontend's interrupt button, the kernel dying, and the export run under torchrun.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+from kernel_helpers import collect as collect_run
+from kernel_helpers import execute, kernel_pid, send, start_kernel, stop_kernel
+from process_helpers import assert_all_gone
+
+pytestmark = pytest.mark.timeout(180)
+
+IMPORTS = "import nb_dist, torch, torch.distributed as dist"
+BOTH_RANKS = "[rank 0] 0\n[rank 1] 1"
+
+
+@pytest.fixture
+def kernel(tmp_path):
+    km, kc = start_kernel(tmp_path)
+    try:
+        execute(
+            kc, "import nb_dist, torch, torch.distributed as dist\n%load_ext nb_dist"
+        ).expect_ok()
+        yield km, kc
+    finally:
+        stop_kernel(km, kc)
+
+
+def _pids(kc) -> list[int]:
+    return json.loads(execute(kc, "import json; print(json.dumps(ranks.pids))").stdout())
+
+
+def test_ranks_start_with_the_notebooks_namespace_and_run_uses_rank_state(kernel):
+    _, kc = kernel
+    execute(kc, "base = 40\nranks = nb_dist.Ranks(2)").expect_ok()
+    run = execute(kc, "%%ranks\nscale = base + dist.get_rank()\nscale").expect_ok()
+    assert run.result_text == "[rank 0] 40\n[rank 1] 41"
+    # A function defined after the start, using the rank's `scale` and a kernel helper.
+    run = execute(
+        kc,
+        """
+        def helper(v):
+            return v * 2
+        def step(k):
+            return helper(scale) + k
+        ranks.run(step, 1)
+        """,
+    ).expect_ok()
+    assert run.result_text == "LaunchResult([81, 83])"
+    execute(kc, "ranks.close()").expect_ok()
+
+
+def test_ranks_cells_show_labelled_output_and_values(kernel):
+    _, kc = kernel
+    execute(kc, "ranks = nb_dist.Ranks(2)").expect_ok()
+    run = execute(
+        kc, "%%ranks\nprint('hi', dist.get_rank())\nt = torch.ones(1)\ndist.all_reduce(t)\nt.item()"
+    )
+    run.expect_ok()
+    assert "[rank 0] hi 0" in run.stdout() and "[rank 1] hi 1" in run.stdout()
+    assert run.result_text == "[all ranks] 2.0"
+    assert execute(kc, "%%ranks --rank 1\ndist.get_rank()").expect_ok().result_text == "[rank 1] 1"
+    assert execute(kc, "%%ranks\nx = 1").expect_ok().result_text is None  # no Out for None
+    bad = execute(kc, "%%ranks\nfor x in")
+    assert bad.error is not None and bad.error["ename"] == "SyntaxError"
+    assert "[rank" not in bad.stdout()  # shown once, by the kernel, not by each rank
+    failed = execute(kc, "%%ranks\nif dist.get_rank() == 0:\n    raise KeyError('missing')")
+    text = failed.error_text()
+    assert failed.error["ename"] == "WorkerFailedError"
+    assert "rank 0 failed first: KeyError: 'missing'" in text and "Cell In[" in text
+    assert "interactiveshell.py" not in text  # the traceback ends at the user's cell
+    execute(kc, "%ranks --close").expect_ok()
+    missing = execute(kc, "%%ranks\n1")
+    assert "none are running. Start them in a cell first" in missing.error_text()
+
+
+def test_interrupt_stops_a_cell_on_every_rank_and_the_session_stays(kernel, tmp_path):
+    km, kc = kernel
+    execute(kc, f"ranks = nb_dist.Ranks(2)\nranks.push(folder={str(tmp_path)!r})").expect_ok()
+    pids = _pids(kc)
+    run = send(
+        kc,
+        "%%ranks\nimport pathlib, time\n"
+        "pathlib.Path(folder, f'running{dist.get_rank()}').write_text('1')\n"
+        "time.sleep(120)",
+    )
+    deadline = time.monotonic() + 30
+    while not all((tmp_path / f"running{r}").exists() for r in (0, 1)):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    interrupted_at = time.monotonic()
+    km.interrupt_kernel()
+    collect_run(kc, run)
+    assert run.idle_at is not None and run.idle_at - interrupted_at < 2.0
+    assert run.error["ename"] == "KeyboardInterrupt"
+    assert "interrupted on rank 0, 1; the session is still usable" in run.error["evalue"]
+    assert _pids(kc) == pids  # the same ranks, with their state
+    assert (
+        execute(kc, "%%ranks\ndist.get_rank()").expect_ok().result_text == "[rank 0] 0\n[rank 1] 1"
+    )
+    execute(kc, "ranks.close()").expect_ok()
+    assert_all_gone(pids)
+
+
+def test_interrupt_of_a_rank_blocked_in_a_collective_restarts(kernel, tmp_path):
+    km, kc = kernel
+    execute(kc, f"ranks = nb_dist.Ranks(2)\nranks.push(folder={str(tmp_path)!r})").expect_ok()
+    pids = _pids(kc)
+    run = send(
+        kc,
+        "%%ranks\nimport pathlib, time\n"
+        "if dist.get_rank() == 0:\n"
+        "    pathlib.Path(folder, 'waiting').write_text('1')\n"
+        "    dist.barrier()\n"
+        "else:\n"
+        "    time.sleep(120)",
+    )
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "waiting").exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    km.interrupt_kernel()
+    collect_run(kc, run)
+    assert run.error["ename"] == "KeyboardInterrupt"
+    assert "rank 0 did not stop" in run.error["evalue"]
+    assert "restarted with fresh ranks" in run.error["evalue"]
+    assert_all_gone(pids)
+    assert (
+        execute(kc, "%%ranks\ndist.get_rank()").expect_ok().result_text == "[rank 0] 0\n[rank 1] 1"
+    )
+    execute(kc, "ranks.close()").expect_ok()
+
+
+def test_no_rank_survives_the_kernel(tmp_path):
+    km, kc = start_kernel(tmp_path)
+    try:
+        execute(kc, "import nb_dist\nranks = nb_dist.Ranks(2)").expect_ok()
+        pids = _pids(kc)
+        assert all(psutil.pid_exists(p) for p in pids)
+        os.kill(kernel_pid(km), signal.SIGKILL)
+        assert_all_gone(pids, within=2.0)
+    finally:
+        stop_kernel(km, kc)
+
+
+def test_closing_the_kernel_closes_open_sessions(tmp_path):
+    km, kc = start_kernel(tmp_path)
+    try:
+        execute(kc, "import nb_dist\nranks = nb_dist.Ranks(2)").expect_ok()
+        pids = _pids(kc)
+    finally:
+        stop_kernel(km, kc)  # a shutdown request: atexit closes the session
+    assert_all_gone(pids, within=2.0)
+
+
+def test_export_runs_under_torchrun_and_reproduces_the_session(kernel, tmp_path):
+    _, kc = kernel
+    execute(kc, "ranks = nb_dist.Ranks(2)").expect_ok()
+    shown = [
+        execute(kc, "%%ranks\ntorch.manual_seed(0)\nw = torch.randn(3) + dist.get_rank()\n"
+                    "round(w.sum().item(), 4)").expect_ok().result_text,
+        execute(kc, "%%ranks\ndist.all_reduce(w)\nround(w.sum().item(), 4)")
+        .expect_ok().result_text,
+    ]  # fmt: skip
+    execute(kc, "ranks.push(k=nb_dist.per_rank(2, 3))").expect_ok()
+    scaled = "def scaled(extra):\n    return round((w * k).sum().item(), 4) + extra\n"
+    ran = execute(kc, scaled + "ranks.run(scaled, 1)").expect_ok()
+    script = tmp_path / "train.py"
+    out = execute(kc, f"%ranks --export {script}").expect_ok().stdout()
+    assert "torchrun --nproc-per-node 2" in out
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script)],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    for text in shown:  # "[rank 0] v0\n[rank 1] v1" or "[all ranks] v"
+        if text.startswith("[all ranks] "):
+            value = text.removeprefix("[all ranks] ")
+            assert f"[rank 0] {value}" in run.stdout and f"[rank 1] {value}" in run.stdout
+        else:
+            for line in text.splitlines():
+                assert line in run.stdout
+    values = json.loads(ran.result_text.removeprefix("LaunchResult(").removesuffix(")"))
+    for rank, value in enumerate(values):
+        assert f"[rank {rank}] {value!r}" in run.stdout
+    execute(kc, "ranks.close()").expect_ok()
