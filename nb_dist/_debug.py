@@ -28,7 +28,6 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from . import _protocol
-from ._tracebacks import PACKAGE_DIR
 
 #: How long other ranks may wait in a collective for a rank paused in the debugger.
 PAUSE_TIMEOUT = timedelta(hours=1)
@@ -169,9 +168,11 @@ def after_failure(exc: BaseException, send: Send) -> None:
     """
     if _state.mode != "postmortem" or isinstance(exc, (KeyboardInterrupt, SystemExit)):
         return
+    from ._worker import RUNNER_FILES
+
     tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(PACKAGE_DIR):
-        tb = tb.tb_next  # start at the user's code: nb_dist's frames are not theirs to debug
+    while tb is not None and tb.tb_frame.f_code.co_filename in RUNNER_FILES:
+        tb = tb.tb_next  # start at the user's code: the runner's frames are not theirs
     if tb is None:
         return
     _state.send = send

@@ -32,6 +32,8 @@ from ._tracebacks import PACKAGE_DIR
 
 # Set in a worker so that a launch from inside a worker is refused (see preflight).
 WORKER_ENV_FLAG = "NB_DIST_WORKER_RANK"
+# The files whose frames run the user's code (not the user's): left out of tracebacks.
+RUNNER_FILES = frozenset(os.path.join(PACKAGE_DIR, name) for name in ("_worker.py", "_serve.py"))
 # The rank's collective counter file (see _collectives.py), in its environment.
 COLLECTIVES_ENV = "NB_DIST_COLLECTIVES"
 
@@ -413,7 +415,7 @@ def failure(exc: BaseException, spec: WorkerSpec) -> _protocol.Failed:
     """The :class:`~_protocol.Failed` message for ``exc``, its traceback from the user's code."""
     failed_at = time.monotonic()
     tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(PACKAGE_DIR):
+    while tb is not None and tb.tb_frame.f_code.co_filename in RUNNER_FILES:
         tb = tb.tb_next
     text = "".join(traceback.TracebackException(type(exc), exc, tb).format())
     message = str(exc)

@@ -231,3 +231,15 @@ def test_a_hang_report_names_each_ranks_collective_count(tmp_path):
     text = str(info.value)
     assert "rank 0 waits in all_reduce #2" in text
     assert "rank 1 entered only 1 collective" in text
+
+
+def test_breakpoint_works_with_grouped_output(kernel):
+    """output="grouped" holds the ranks' lines until the end; the debugger still talks live."""
+    _, kc = kernel
+    code = PAUSING.replace("timeout=60", "timeout=60, output='grouped'")
+    talk = execute_answering(kc, code, ["p secret", "c"])
+    talk.run.expect_ok()
+    assert talk.prompts == ["[rank 1] (Pdb) "] * 2
+    out = _text(talk.run)
+    assert out.index("\n42\n") < out.index("[rank 0] after 82")  # pdb first, lines at the end
+    assert out.rstrip().endswith("[82, 84]")

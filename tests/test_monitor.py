@@ -237,3 +237,50 @@ def test_monitor_in_a_real_kernel_displays_and_updates_widgets(kernel):
         assert f"[rank {rank}] finished {rank}" in out
     assert "reports {0: 24, 1: 24}" in out
     assert not run.late
+
+
+def test_monitor_shows_a_rank_paused_in_the_debugger():
+    """paused(True) while a rank waits at a pdb prompt (nb_dist.breakpoint), then running."""
+    monitor = LaunchMonitor([0, 1])
+    monitor.started(0)
+    monitor.started(1)
+    monitor.paused(1, True)
+    row1, state1, _bar, _tail = _row(monitor, 1)
+    assert "<b>paused</b>" in state1.value
+    assert "nb-dist-status-paused" in row1._dom_classes
+    assert "<b>running</b>" in _row(monitor, 0)[1].value
+    monitor.paused(1, False)
+    monitor.refresh(force=True)
+    assert "<b>running</b>" in state1.value
+    assert "nb-dist-status-paused" not in row1._dom_classes
+
+
+RANKS_WITH_MONITOR = """
+import nb_dist
+ranks = nb_dist.Ranks(2, monitor=True)
+result = ranks.exec("import nb_dist\\nfor i in nb_dist.progress(range(3), desc='cell'):\\n"
+                    "    nb_dist.report('loss', 1.0 / (i + 1))\\nnb_dist.rank()")
+print(list(result), {r: len(v) for r, v in result.reports["loss"].items()})
+ranks.close()
+"""
+
+
+@pytest.mark.kernel
+@pytest.mark.timeout(120)
+def test_live_ranks_show_the_monitor_in_each_cell(kernel):
+    """Ranks(monitor=True): each task displays the monitor, which ends with every rank done."""
+    run = execute(kernel, RANKS_WITH_MONITOR, timeout=90).expect_ok()
+    monitors = [
+        m
+        for m in run.mine
+        if m.msg_type == "display_data"
+        and m.content["data"].get("text/plain") == "LaunchMonitor(2 ranks)"
+    ]
+    assert len(monitors) == 1
+    states = [
+        str(m.content["data"]["state"].get("value"))
+        for m in run.mine
+        if m.msg_type == "comm_msg" and m.content["data"].get("method") == "update"
+    ]
+    assert any("<b>done</b>" in s for s in states)
+    assert "[0, 1] {0: 3, 1: 3}" in run.stdout()
