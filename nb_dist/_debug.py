@@ -72,13 +72,14 @@ class _PromptIO:
         for candidate in ("(Pdb) ", "(Pdb) \n"):
             if text.endswith(candidate):
                 text, prompt = text[: -len(candidate)], candidate.strip() + " "
-        line = ask(text, prompt or "(Pdb) ")
+        unanswered = "goes on" if self._on_eof == "continue" else "was released"
+        line = ask(text, prompt or "(Pdb) ", unanswered)
         if line is None:
             return self._on_eof + "\n"
         return line + "\n"
 
 
-def ask(text: str, prompt: str | None) -> str | None:
+def ask(text: str, prompt: str | None, unanswered: str = "goes on") -> str | None:
     """Send ``text`` and ``prompt`` to the kernel; its answer (``None``: nobody can answer).
 
     ``prompt=None`` only tells the kernel that the debugger has finished."""
@@ -86,7 +87,7 @@ def ask(text: str, prompt: str | None) -> str | None:
     if send is None or commands is None:
         return None
     try:
-        send(_protocol.DebugPrompt(text, prompt))
+        send(_protocol.DebugPrompt(text, prompt, unanswered))
         if prompt is None:
             return None
         while True:

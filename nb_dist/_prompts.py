@@ -65,7 +65,7 @@ def read_line(prompt: str) -> str | None:
         raise
 
 
-def converse(rank: Rank, pump: Callable[[float], None], what_if_unanswered: str) -> None:
+def converse(rank: Rank, pump: Callable[[float], None]) -> None:
     """Answer ``rank``'s debugger until it finishes, the rank ends, or nobody can answer.
 
     ``pump`` reads the rank's pipes (its output goes to the cell as usual) and feeds its
@@ -83,7 +83,7 @@ def converse(rank: Rank, pump: Callable[[float], None], what_if_unanswered: str)
         _show(rank)
         line = read_line(label + (prompt.prompt or "(Pdb) "))
         if line is None:
-            print(NO_FRONTEND.format(rank=rank.outcome.rank, what=what_if_unanswered), flush=True)
+            print(NO_FRONTEND.format(rank=rank.outcome.rank, what=prompt.unanswered), flush=True)
         if not rank.send(_protocol.DebugInput(line)) or line is None:
             # No more prompts will be answered: let the rank finish its debugger alone.
             _wait_until_done(rank, pump)
@@ -146,7 +146,7 @@ class PostMortem:
             deadline = time.monotonic() + 5.0
             while self.rank.prompt is None and self.rank.alive and time.monotonic() < deadline:
                 self._pump(selector, 0.05)  # the rank's first prompt may still be on its way
-            converse(self.rank, lambda wait: self._pump(selector, wait), "was released")
+            converse(self.rank, lambda wait: self._pump(selector, wait))
         finally:
             selector.close()
             self.release()

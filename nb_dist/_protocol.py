@@ -143,6 +143,8 @@ class DebugPrompt:
 
     text: str
     prompt: str | None
+    #: What the rank does when nobody can answer (said in the cell): "goes on", "was released".
+    unanswered: str = "goes on"
 
 
 # ------------------------------------------------------------------ kernel → a live rank

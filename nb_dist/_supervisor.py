@@ -196,7 +196,7 @@ class Supervisor:
             began = time.monotonic()
             if self.observer is not None:
                 self.observer.paused(worker.local_rank, True)
-            _prompts.converse(worker, self._pump, "goes on")
+            _prompts.converse(worker, self._pump)
             if self.observer is not None and worker.alive:
                 self.observer.paused(worker.local_rank, False)
             self.paused_for += time.monotonic() - began
