@@ -147,6 +147,18 @@ class DebugPrompt:
     unanswered: str = "goes on"
 
 
+@dataclass(frozen=True)
+class Shown:
+    """A cell's last value that cannot be pickled (a figure's artists, a lock): its repr, which
+    is all a ``%%ranks`` cell shows of it anyway."""
+
+    type_name: str
+    text: str
+
+    def __repr__(self) -> str:
+        return self.text
+
+
 # ------------------------------------------------------------------ kernel → a live rank
 @dataclass(frozen=True)
 class Call:

@@ -122,9 +122,19 @@ def _run_task(
     try:
         data = dumps_result(value)
     except Exception as exc:
-        sink.send(unpicklable(value, exc, spec.rank))
-        return
+        if not isinstance(command, _protocol.Execute):
+            sink.send(unpicklable(value, exc, spec.rank))
+            return
+        # A cell's last expression is shown, not used: its repr is enough (as IPython shows).
+        data = dumps_result(_protocol.Shown(_protocol.type_name(value), _safe_repr(value)))
     sink.send(_protocol.Result(time.monotonic() - started, len(data)), raw=data)
+
+
+def _safe_repr(value: Any) -> str:
+    try:
+        return repr(value)
+    except Exception as exc:  # a broken __repr__ must not fail the cell
+        return f"<{_protocol.type_name(value)} (repr failed: {type(exc).__name__})>"
 
 
 def _perform(command: _protocol.Command, namespace: dict[str, Any], rank: int) -> Any:

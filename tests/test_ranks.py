@@ -282,3 +282,8 @@ def test_the_kernel_process_group_check_applies(tmp_path):
 
 
 assert torch is not None  # the ranks' namespace uses `torch` from this module
+
+
+def test_a_cells_unpicklable_last_value_is_shown_by_its_repr(ranks):
+    result = ranks.exec("import threading\nthreading.Lock()")
+    assert all(repr(value).startswith("<unlocked _thread.lock object") for value in result)
