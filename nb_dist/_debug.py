@@ -115,9 +115,11 @@ class _NotebookPdb(pdb.Pdb):
 
 
 def install(send: Send, commands: Connection | None, rank: int, mode: str | None) -> None:
-    """Route this rank's debugger to the kernel; make ``breakpoint()`` use it."""
+    """Route this rank's debugger to the kernel; make ``breakpoint()`` and ``pdb.set_trace()``
+    use it (with stdin at /dev/null they would read EOF and quit)."""
     _state.send, _state.commands, _state.rank, _state.mode = send, commands, rank, mode
     sys.breakpointhook = _breakpointhook
+    pdb.set_trace = _set_trace
 
 
 def _breakpointhook(*args: Any, **kwargs: Any) -> None:
@@ -126,6 +128,11 @@ def _breakpointhook(*args: Any, **kwargs: Any) -> None:
         return
     frame = sys._getframe(1)
     _stop_here(frame)
+
+
+def _set_trace(*, header: str | None = None) -> None:
+    """``pdb.set_trace()`` in a rank: this rank stops, its prompt in the notebook."""
+    _stop_here(sys._getframe(1), header)
 
 
 def breakpoint(rank: int = 0) -> None:
@@ -155,8 +162,10 @@ def breakpoint(rank: int = 0) -> None:
         _stop_here(frame)
 
 
-def _stop_here(frame: types.FrameType) -> None:
+def _stop_here(frame: types.FrameType, header: str | None = None) -> None:
     debugger = _NotebookPdb(on_eof="continue")
+    if header is not None:
+        debugger.message(header)
     debugger.message(f"rank {_state.rank} paused; c goes on, q stops the function")
     debugger.set_trace(frame)
 

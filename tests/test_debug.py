@@ -179,9 +179,10 @@ def test_breakpoint_without_a_frontend_goes_on_with_a_message(kernel):
     assert out.rstrip().endswith("[82, 84]")
 
 
-def test_pythons_breakpoint_in_a_rank_is_routed_to_the_notebook(kernel):
+@pytest.mark.parametrize("call", ["breakpoint()", "__import__('pdb').set_trace()"])
+def test_pythons_breakpoint_in_a_rank_is_routed_to_the_notebook(kernel, call):
     _, kc = kernel
-    code = "import nb_dist\ndef f():\n    v = 7\n    breakpoint()\n    return v\n"
+    code = f"import nb_dist\ndef f():\n    v = 7\n    {call}\n    return v\n"
     code += "print(list(nb_dist.notebook_launcher(f, num_processes=1)))"
     talk = execute_answering(kc, code, ["v = 8", "c"])
     talk.run.expect_ok()

@@ -287,3 +287,16 @@ assert torch is not None  # the ranks' namespace uses `torch` from this module
 def test_a_cells_unpicklable_last_value_is_shown_by_its_repr(ranks):
     result = ranks.exec("import threading\nthreading.Lock()")
     assert all(repr(value).startswith("<unlocked _thread.lock object") for value in result)
+
+
+def test_the_magics_options_are_checked(ranks):
+    from nb_dist._magic import ranks_magic
+
+    with pytest.raises(ValueError, match=r"--rank x: give ranks as numbers, e\.g\. --rank 0,1"):
+        ranks_magic("--rank x", "1")
+    with pytest.raises(ValueError, match="unrecognized arguments: --bogus"):
+        ranks_magic("--bogus", "1")
+    with pytest.raises(ValueError, match="rank=\\[7\\]: give a rank between 0 and 1"):
+        ranks_magic("--rank 7", "1")
+    assert repr(ranks_magic("--rank 0,1", "dist.get_rank()")) == "[rank 0] 0\n[rank 1] 1"
+    assert repr(ranks_magic("", "2 * 3")) == "[all ranks] 6"
