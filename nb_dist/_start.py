@@ -1,6 +1,7 @@
 """Starting the ranks of one attempt: their pipes, the start gate and the lifeline.
 
-Each rank gets four pipes (see ``_protocol.py``) and two shared ones:
+Each rank gets five pipes (four to the kernel, ``commands`` from it; see ``_protocol.py``) and
+two shared ones:
 
 - the **lifeline**: the kernel keeps the only write end; when the kernel dies, every worker
   reads EOF and kills itself (besides the parent-death signal);
