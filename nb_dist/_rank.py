@@ -63,6 +63,7 @@ class Rank:
         self.debug_text = ""
         # A live rank: the last task it finished and how many collectives it had entered.
         self.idle_task: int | None = None
+        self.tasks_sent = 0  # the rank is idle when idle_task == tasks_sent
         self.collectives = 0
 
     def begin_task(self) -> None:

@@ -106,6 +106,15 @@ class SessionSupervisor(Supervisor):
             self.lost = Lost(f"rank {dead[0].outcome.rank} ended between cells: {how}.", True)
             self.close()
             return None
+        busy = [w for w in self.workers if w.idle_task != w.tasks_sent]
+        if busy:  # a cell left running (a second interrupt cut its ending short)
+            stuck = self._settle(busy)
+            if stuck:
+                names = ", ".join(str(w.outcome.rank) for w in stuck)
+                self.lost = Lost(f"rank {names} was still busy with an earlier cell and could "
+                                 "not be interrupted.", dead_rank=True)  # fmt: skip
+                self.close()
+                return None
         counts = {w.outcome.rank: w.collectives for w in self.workers}
         if len(set(counts.values())) > 1:
             listed = ", ".join(f"rank {r}: {n}" for r, n in counts.items())
@@ -139,6 +148,7 @@ class SessionSupervisor(Supervisor):
             for worker in self.workers:
                 worker.begin_task()
                 self._set_status(worker, "running")
+                worker.tasks_sent += 1
                 worker.send(command_for(worker))
             deadline = None if timeout is None else time.monotonic() + timeout
             try:
@@ -224,13 +234,20 @@ class SessionSupervisor(Supervisor):
 
     def _settle_interrupted(self) -> list[Rank]:
         """Interrupt the running ranks and wait for them; those that did not stop."""
-        running = [w for w in self.workers if not w.finished and w.alive]
+        return self._settle([w for w in self.workers if not w.finished and w.alive])
+
+    def _settle(self, running: list[Rank]) -> list[Rank]:
+        """Interrupt ``running`` and wait until each is idle again; those that are not."""
         self._interrupt(running)
         deadline = time.monotonic() + INTERRUPT_GRACE
-        while any(not w.finished for w in running) and time.monotonic() < deadline:
+
+        def idle(worker: Rank) -> bool:
+            return worker.idle_task == worker.tasks_sent or not worker.alive
+
+        while not all(idle(w) for w in running) and time.monotonic() < deadline:
             self._pump(0.02)
             self._poll_processes()
-        return [w for w in running if not w.finished]
+        return [w for w in running if not idle(w)]
 
     def _interrupted_error(self) -> KeyboardInterrupt:
         try:

@@ -300,3 +300,15 @@ def test_the_magics_options_are_checked(ranks):
         ranks_magic("--rank 7", "1")
     assert repr(ranks_magic("--rank 0,1", "dist.get_rank()")) == "[rank 0] 0\n[rank 1] 1"
     assert repr(ranks_magic("", "2 * 3")) == "[all ranks] 6"
+
+
+def test_a_rank_still_busy_with_an_earlier_cell_is_interrupted_before_the_next(ranks, capsys):
+    """What a second interrupt can leave behind: a rank still running a cell the kernel no
+    longer waits for. The next cell first interrupts it, so no reply is misattributed."""
+    from nb_dist import _protocol
+
+    busy = ranks._supervisor.workers[1]
+    busy.tasks_sent += 1
+    busy.send(_protocol.Execute(0, "import time\ntime.sleep(60)", "<left running>"))
+    assert ranks.exec("dist.get_rank()") == [0, 1]
+    assert ranks.exec("41 + 1") == [42, 42]
