@@ -45,6 +45,7 @@ BENCHMARKS = (
     "relaunch",
     "fork_after_compute",
     "collective_counter",
+    "live_ranks",
 )
 README = ROOT / "README.md"
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
