@@ -632,6 +632,18 @@ def markdown(data: dict) -> str:
             f"rank 0's losses agree between the two to {s['losses_max_abs_diff']:.1e} (max "
             "absolute difference)."
         )
+    parts = s.get("walkthrough_parts", {})
+    later_cell = parts.get(f"2nd-{WALK_STEPS}th step cells", {})
+    later_launch = parts.get(f"3rd-{WALK_STEPS}th launches", {})
+    if later_cell.get("n") and later_launch.get("n"):
+        notes.append(
+            "Both totals are dominated by a one-time cost: `DistributedDataParallel` imports "
+            "`torch._dynamo` in each rank (the session's build cell; the 1st launch, and the 2nd, "
+            "which waits for the launcher's background import of it, as cells run back to back). "
+            f"Past it, a step cell takes {later_cell['median'] * 1e3:.1f} ms and a step as a "
+            f"launch {later_launch['median'] * 1e3:.0f} ms (medians), "
+            f"{later_launch['median'] / later_cell['median']:.0f}x."
+        )
     for context, m in data.get("sessions", {}).items():
         check = m.get("process_group_check")
         if check:
