@@ -46,6 +46,7 @@ BENCHMARKS = (
     "fork_after_compute",
     "collective_counter",
     "debug_entry",
+    "live_ranks",
 )
 README = ROOT / "README.md"
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
