@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ast
 import builtins
-import datetime
 import inspect
 import textwrap
 import types
@@ -22,7 +21,7 @@ from ._plan import LaunchPlan
 from ._tracebacks import ipython_shell
 
 _HEADER = '''\
-"""Exported from an nb_dist live-ranks session ({nprocs} ranks) on {date}.
+"""Exported from an nb_dist live-ranks session ({nprocs} ranks).
 
 Run it with:  torchrun --nproc-per-node {nprocs} {name}
 """
@@ -90,33 +89,49 @@ class History:
         self.steps.append("\n".join(lines) + "\n")
 
     def script(self, plan: LaunchPlan, name: str) -> str:
-        date = datetime.date.today().isoformat()
-        head = _HEADER.format(nprocs=plan.nprocs, date=date, backend=plan.backend, name=name)
+        head = _HEADER.format(nprocs=plan.nprocs, backend=plan.backend, name=name)
         end = "\ndist.destroy_process_group()\n"
         return head + self._definitions() + "\n" + "\n".join(self.steps) + end
 
     def _definitions(self) -> str:
-        """The kernel's names that the steps use but do not define, as source."""
-        used: set[str] = set()
-        assigned: set[str] = set()
-        for source in self.sources:
-            try:
-                tree = ast.parse(source)
-            except SyntaxError:
+        """The kernel's names that the steps use but do not define, as source: those the
+        definitions themselves use first (a function's source may need an import)."""
+        pending = set().union(*(_names_used(s) for s in self.sources)) if self.sources else set()
+        done: dict[str, str] = {}
+        order: list[str] = []
+        while pending:
+            name = pending.pop()
+            if name in done or name not in self.kernel or name == "dist":
                 continue
-            for node in ast.walk(tree):
-                if isinstance(node, ast.Name):
-                    (used if isinstance(node.ctx, ast.Load) else assigned).add(node.id)
-                elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
-                    assigned.add(node.name)
-                elif isinstance(node, ast.alias):
-                    assigned.add((node.asname or node.name).split(".")[0])
-        lines: list[str] = []
-        for name in sorted(used - vars(builtins).keys()):
-            if name not in self.kernel or name == "dist":
-                continue
-            lines.append(_definition(name, self.kernel[name]))
+            done[name] = _definition(name, self.kernel[name])
+            order.append(name)
+            pending |= _names_used(done[name]) - done.keys()
+        # Imports first, then the rest in the order found (definitions before their users
+        # do not matter for functions; plain values have no dependencies).
+        imports = [done[n] for n in sorted(order) if done[n].startswith(("import ", "from "))]
+        others = [done[n] for n in order if not done[n].startswith(("import ", "from "))]
+        lines = imports + others
         return "\n".join(lines) + ("\n" if lines else "")
+
+
+def _names_used(source: str) -> set[str]:
+    """Names ``source`` reads and does not define itself (nor are builtins)."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return set()
+    used: set[str] = set()
+    assigned: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            (used if isinstance(node.ctx, ast.Load) else assigned).add(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            assigned.add(node.name)
+        elif isinstance(node, ast.arg):
+            assigned.add(node.arg)
+        elif isinstance(node, ast.alias):
+            assigned.add((node.asname or node.name).split(".")[0])
+    return used - assigned - vars(builtins).keys()
 
 
 def _definition(name: str, value: Any) -> str:
@@ -130,8 +145,9 @@ def _definition(name: str, value: Any) -> str:
         return f"import {module} as {name}"
     if isinstance(value, (types.FunctionType, type)):
         module = getattr(value, "__module__", "__main__")
-        if module != "__main__" and getattr(value, "__name__", None) == name:
-            return f"from {module} import {name}"
+        own = getattr(value, "__name__", name)
+        if module != "__main__":  # a library's: import it, under the notebook's name
+            return f"from {module} import {own}" + (f" as {name}" if own != name else "")
         try:
             return textwrap.dedent(inspect.getsource(value))
         except (OSError, TypeError):

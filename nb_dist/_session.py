@@ -53,6 +53,7 @@ class SessionSupervisor(Supervisor):
 
     task_count = 0
     lost: Lost | None = None
+    answers_post_mortems = True  # in the failing cell itself
     _closed = False
 
     # ----------------------------------------------------------------- life

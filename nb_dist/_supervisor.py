@@ -55,6 +55,9 @@ class AttemptResult:
 class Supervisor:
     """Runs one attempt: ``run()`` returns per-rank values or raises a launch error."""
 
+    #: A failed rank's pdb is answered in the cell (live ranks), not kept for ``%debug``.
+    answers_post_mortems = False
+
     def __init__(
         self,
         plan: LaunchPlan,
@@ -193,6 +196,8 @@ class Supervisor:
         for worker in self.workers:
             if worker is self.held or not (worker.debugging or worker.prompt is not None):
                 continue
+            if worker.failure is not None and not self.answers_post_mortems:
+                continue  # a launch keeps a failed rank for %debug (see _hold_for_post_mortem)
             began = time.monotonic()
             if self.observer is not None:
                 self.observer.paused(worker.local_rank, True)

@@ -312,3 +312,36 @@ def test_a_rank_still_busy_with_an_earlier_cell_is_interrupted_before_the_next(r
     busy.send(_protocol.Execute(0, "import time\ntime.sleep(60)", "<left running>"))
     assert ranks.exec("dist.get_rank()") == [0, 1]
     assert ranks.exec("41 + 1") == [42, 42]
+
+
+def test_export_writes_what_the_cells_use_from_the_kernel():
+    """Library names under the notebook's alias are imported (not their source pasted), and
+    what an inlined notebook function uses is defined too."""
+    from types import SimpleNamespace
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.utils.data import TensorDataset
+
+    from nb_dist._export import History
+
+    def make_dataset():
+        return TensorDataset(torch.ones(4, 2))
+
+    make_dataset.__module__ = "__main__"  # defined in a notebook cell
+    history = History()
+    history.kernel = {
+        "DDP": DDP, "TensorDataset": TensorDataset, "torch": torch,
+        "make_dataset": make_dataset, "lr": 0.5, "lock": threading.Lock(),
+    }  # fmt: skip
+    history.executed("m = DDP(torch.nn.Linear(2, 1))\nds = make_dataset()\nlen(ds) * lr", [0, 1], 2)
+    history.executed("lock", [0], 2)
+    plan = SimpleNamespace(nprocs=2, backend="gloo")
+    script = history.script(plan, "train.py")  # type: ignore[arg-type]
+    assert "from torch.nn.parallel.distributed import DistributedDataParallel as DDP" in script
+    assert "class DistributedDataParallel" not in script
+    assert "from torch.utils.data.dataset import TensorDataset" in script
+    assert "def make_dataset():" in script and "lr = 0.5" in script
+    assert "# lock (a lock) was defined in the notebook: define it here" in script
+    assert "_show(len(ds) * lr)" in script
+    assert "if dist.get_rank() in (0,):\n    _show(lock)" in script
+    compile(script, "train.py", "exec")
