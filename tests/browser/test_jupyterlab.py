@@ -161,12 +161,17 @@ INTERACTIONS: dict[str, Callable[[Page, Path], None]] = {
 }
 
 
+# Notebooks with widgets that a test of their own runs and checks (their widgets included).
+OWN_TESTS = {"00_quickstart.ipynb", "10_ddp_step_by_step.ipynb"}
+
+
 def test_every_notebook_with_widgets_is_covered():
     """The widget test covers every teaching notebook whose stored outputs contain a widget."""
     with_widgets = {
         path.name for path in sorted(NOTEBOOKS.glob("*.ipynb")) if stored_widget_cells(path)
     }
-    assert with_widgets - {"00_quickstart.ipynb"} == set(INTERACTIONS)
+    assert with_widgets >= OWN_TESTS, f"{OWN_TESTS - with_widgets} no longer show a widget"
+    assert with_widgets - OWN_TESTS == set(INTERACTIONS)
 
 
 @pytest.mark.timeout(300)
@@ -313,3 +318,80 @@ def test_monitor_and_toolbar_interrupt(lab: LabServer, page: Page, screenshots_d
     text = wait_for_text(after.locator(".jp-OutputArea-output"), "after the interrupt: [0, 10]", 60)
     assert "[rank 0] quick launch on rank 0" in text and "[rank 1] quick launch on rank 1" in text
     assert "Error" not in text and "Traceback" not in text, text
+
+
+# --------------------------------------------------------------------------- 4. live ranks
+LIVE_RANKS = "10_ddp_step_by_step.ipynb"
+
+
+@pytest.mark.timeout(300)
+def test_live_ranks_step_by_step(lab: LabServer, page: Page, screenshots_dir: Path):
+    """Run All on the live-ranks notebook: %%ranks cells show each rank's labelled lines and
+    values, the figures and the gradient view render, the cell where one rank skips a
+    collective ends in the timeout report, and the next cell runs on the restarted ranks."""
+    open_notebook(page, lab, LIVE_RANKS)
+    run_all_cells(page)
+    wait_until_all_executed(page, within=RUN_ALL_WITHIN)
+    raising = cells_with_tracebacks(page)
+    assert raising == cells_expected_to_raise(NOTEBOOKS / LIVE_RANKS), error_outputs(page)
+
+    # A %%ranks cell: each rank's printed line, labelled, and each rank's value like Out[n].
+    hello = code_cell(page, 'print(f"I am rank {rank} of {world_size}")')
+    text = output_text(hello)
+    for rank in (0, 1):
+        assert f"[rank {rank}] I am rank {rank} of 2" in text, text
+    assert re.search(r"\[rank 0\] 0\s*\n\s*\[rank 1\] 1", text), text
+
+    # Per-rank values that differ (one line per rank), then agree ([all ranks], once).
+    seeded = output_text(code_cell(page, "model = nn.Linear(4, 1)"))
+    assert re.search(r"\[rank 0\] tensor\(\[\[-0\.0037,\s+0\.2682", seeded), seeded
+    assert re.search(r"\[rank 1\] tensor\(\[\[ ?0\.2576,\s+-0\.2207", seeded), seeded
+    broadcast = output_text(code_cell(page, "dist.broadcast(parameter, src=0)"))
+    assert re.search(r"^\[all ranks\] tensor\(\[\[-0\.0037,", broadcast, re.M), broadcast
+    assert "[rank" not in broadcast, broadcast
+    shards = output_text(code_cell(page, "indices = list(sampler)"))
+    assert "[rank 0] [0, 2, 4, 6, 8, 10, 12, 14]" in shards, shards
+    assert "[rank 1] [1, 3, 5, 7, 9, 11, 13, 15]" in shards, shards
+
+    # The figures drawn from pulled gradients, and the gradient view fed with them.
+    for snippet in ('local = ranks.pull("local_grad")', 'synced = ranks.pull("synced_grad")',
+                    'pulled = ranks.pull("ddp_start", "ddp_grad")'):  # fmt: skip
+        cell = code_cell(page, snippet)
+        image = cell.locator(".jp-OutputArea-output img").first
+        image.wait_for(state="visible", timeout=WIDGET_WITHIN * 1000)
+        assert_not_upscaled(image)
+    assert "equal to the hand-averaged gradient: True" in output_text(
+        code_cell(page, 'pulled = ranks.pull("ddp_start", "ddp_grad")')
+    )
+    cells = code_cells(page)
+    for index in stored_widget_cells(NOTEBOOKS / LIVE_RANKS):
+        wait_for_widget(cells.nth(index), within=WIDGET_WITHIN)
+    gradients = page.locator(".nb-dist-gradient-view")
+    wait_for_text(gradients, "max difference across ranks after sync:  0", WIDGET_WITHIN)
+    assert_not_upscaled(gradients.locator("img.nb-dist-gradient-view-output"))
+    assert_no_widget_failures(page)
+
+    # The skipped collective: the timeout report, then the session's verdict.
+    skipped = code_cell(page, "%%ranks --timeout 3")
+    text = output_text(skipped)
+    assert "[rank 1] finished the cell" in text, text
+    assert "LaunchTimeoutError" in text, text
+    assert "The cell did not finish within timeout=3 s, so it was interrupted." in text, text
+    assert "rank 0 was blocked at `dist.all_reduce(logged_loss)`" in text, text
+    assert "rank 1 entered only 4 collectives (rank 0: 5) and had ended" in text, text
+    assert "the session was restarted with fresh ranks and every rank's state was lost" in text
+    screenshot(skipped, screenshots_dir, "live_ranks_timeout.png", margin=4)
+
+    # The next cell runs on the fresh ranks, whose state is gone.
+    after = output_text(code_cell(page, 'print("model" in globals(), "seed" in globals())'))
+    assert "[rank 0] False False" in after and "[rank 1] False False" in after, after
+    assert "[all ranks] 2" in after, after
+    assert "restarts: 1" in output_text(code_cell(page, 'print("restarts:", ranks.restarts)'))
+
+    # The exported script ran under torchrun and ended with the session's weights.
+    trained = output_text(code_cell(page, "for epoch in range(3):"))
+    weights = re.search(r"\[all ranks\] (tensor\(.*\))", trained)
+    assert weights, trained
+    ran = output_text(code_cell(page, "run = subprocess.run("))
+    assert "exit code: 0" in ran and f"[rank 0] {weights.group(1)}" in ran, ran
+    screenshot(hello, screenshots_dir, "live_ranks_cell.png", margin=4)
