@@ -90,7 +90,8 @@ class History:
 
     def script(self, plan: LaunchPlan, name: str) -> str:
         head = _HEADER.format(nprocs=plan.nprocs, backend=plan.backend, name=name)
-        end = "\ndist.destroy_process_group()\n"
+        # Every rank reaches the end before any tears its group down.
+        end = "\ndist.barrier()\ndist.destroy_process_group()\n"
         return head + self._definitions() + "\n" + "\n".join(self.steps) + end
 
     def _definitions(self) -> str:
