@@ -33,9 +33,9 @@ from ._rank import Rank
 from ._supervisor import AttemptResult, Supervisor
 
 #: After a rank fails, how long the others may take to finish the task on their own.
-FAILURE_GRACE = 0.2
+FAILURE_GRACE = 0.1
 #: After an interrupt, how long a rank may take to stop its task (then it is killed).
-INTERRUPT_GRACE = 0.7
+INTERRUPT_GRACE = 0.5
 #: How long closed ranks get to destroy their process group and exit.
 CLOSE_GRACE = 1.0
 
