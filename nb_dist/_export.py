@@ -32,8 +32,8 @@ dist.init_process_group("{backend}")  # the session's process group
 
 def _show(value):
     """What the session showed for a cell's last expression, labelled by rank."""
-    if value is not None:
-        print(f"[rank {{dist.get_rank()}}] {{value!r}}", flush=True)
+    if value is not None:  # one write: the ranks share stdout, unbuffered under torchrun
+        print(f"[rank {{dist.get_rank()}}] {{value!r}}\\n", end="", flush=True)
 
 '''
 

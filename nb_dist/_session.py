@@ -36,6 +36,8 @@ from ._supervisor import AttemptResult, Supervisor
 FAILURE_GRACE = 0.1
 #: After an interrupt, how long a rank may take to stop its task (then it is killed).
 INTERRUPT_GRACE = 0.5
+#: While waiting for interrupted ranks, the interrupt is sent again this often.
+REPEAT_INTERRUPT = 0.05
 #: How long closed ranks get to destroy their process group and exit.
 CLOSE_GRACE = 1.0
 
@@ -53,6 +55,8 @@ class SessionSupervisor(Supervisor):
 
     task_count = 0
     lost: Lost | None = None
+    _interrupted = False
+    _last_interrupt = 0.0
     answers_post_mortems = True  # in the failing cell itself
     _closed = False
 
@@ -141,7 +145,7 @@ class SessionSupervisor(Supervisor):
         self.router, self.observer = router, observer
         self._failure_seen, self._first_finish, self._hang_noticed = False, None, set()
         self._failed_at: float | None = None
-        self._interrupted = False
+        self._interrupted, self._last_interrupt = False, 0.0
         self._in_task = True
         self.paused_for = 0.0
         self.task_count += 1
@@ -205,9 +209,10 @@ class SessionSupervisor(Supervisor):
         if self._failed_at is None:
             self._failed_at = now
         running = [w for w in self.workers if not w.finished]
-        if running and not self._interrupted and now - self._failed_at >= FAILURE_GRACE:
+        since = now - self._failed_at
+        if running and FAILURE_GRACE <= since < FAILURE_GRACE + INTERRUPT_GRACE:
             self._interrupt(running)
-        elif running and now - self._failed_at >= FAILURE_GRACE + INTERRUPT_GRACE:
+        elif running and since >= FAILURE_GRACE + INTERRUPT_GRACE:
             ranks = ", ".join(str(w.outcome.rank) for w in running)
             self._give_up(
                 f"Rank{_plural(len(running))} {ranks} could not be stopped (blocked where an "
@@ -223,7 +228,12 @@ class SessionSupervisor(Supervisor):
             self._failed_at += time.monotonic() - began  # a post-mortem is not a hang
 
     def _interrupt(self, running: list[Rank]) -> None:
-        self._interrupted = True
+        """SIGINT the ranks, again every :data:`REPEAT_INTERRUPT` s while they run: a rank
+        that had not yet entered its task when the first one came ignored it."""
+        now = time.monotonic()
+        if self._interrupted and now - self._last_interrupt < REPEAT_INTERRUPT:
+            return
+        self._interrupted, self._last_interrupt = True, now
         for worker in running:
             if worker.process is not None:
                 worker.process.send_signal(signal.SIGINT)
@@ -239,6 +249,7 @@ class SessionSupervisor(Supervisor):
 
     def _settle(self, running: list[Rank]) -> list[Rank]:
         """Interrupt ``running`` and wait until each is idle again; those that are not."""
+        self._interrupted = False  # the first interrupt goes now
         self._interrupt(running)
         deadline = time.monotonic() + INTERRUPT_GRACE
 
@@ -248,6 +259,7 @@ class SessionSupervisor(Supervisor):
         while not all(idle(w) for w in running) and time.monotonic() < deadline:
             self._pump(0.02)
             self._poll_processes()
+            self._interrupt([w for w in running if not idle(w)])
         return [w for w in running if not idle(w)]
 
     def _interrupted_error(self) -> KeyboardInterrupt:
