@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import multiprocessing
 import time
+import weakref
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
@@ -27,6 +28,15 @@ from ._worker import WorkerChannels, WorkerSpec
 
 #: Builds one rank's spec from its local rank and the kernel-side fds it must close.
 SpecFor = Callable[[int, list[int]], WorkerSpec]
+
+#: Pipe ends the kernel holds for ranks that may outlive their start (live ranks, a rank kept
+#: for a post-mortem). A rank forked later closes them too: a copy in another process would
+#: keep a closed ``commands`` pipe or a lifeline from ever reaching EOF.
+_kernel_ends: weakref.WeakSet[Connection] = weakref.WeakSet()
+
+
+def _other_kernel_ends() -> list[int]:
+    return [conn.fileno() for conn in list(_kernel_ends) if not conn.closed]
 
 
 def start_all(method: str, ranks: list[Rank], spec_for: SpecFor) -> Connection:
@@ -38,7 +48,7 @@ def start_all(method: str, ranks: list[Rank], spec_for: SpecFor) -> Connection:
     lifeline_reader, lifeline_writer = multiprocessing.Pipe(duplex=False)
     gate_reader, gate_writer = multiprocessing.Pipe(duplex=False)
     context = _processes.forkserver_context() if method == "forkserver" else None
-    kernel_ends = [lifeline_writer.fileno(), gate_writer.fileno()]
+    kernel_ends = [lifeline_writer.fileno(), gate_writer.fileno(), *_other_kernel_ends()]
     try:
         for rank in ranks:
             writers = rank.open_pipes()
@@ -64,4 +74,5 @@ def start_all(method: str, ranks: list[Rank], spec_for: SpecFor) -> Connection:
     finally:
         for conn in (lifeline_reader, gate_writer, gate_reader):
             conn.close()  # the gate opens: EOF for every worker
+    _kernel_ends.update([lifeline_writer, *(c for rank in ranks for c in rank.kernel_ends())])
     return lifeline_writer

@@ -345,3 +345,18 @@ def test_export_writes_what_the_cells_use_from_the_kernel():
     assert "_show(len(ds) * lr)" in script
     assert "if dist.get_rank() in (0,):\n    _show(lock)" in script
     compile(script, "train.py", "exec")
+
+
+def test_closing_one_session_reaches_its_ranks_while_another_is_open():
+    """Ranks forked later (another session) close the first session's pipe ends, so closing
+    the first reaches its ranks at once: they destroy their group and exit 0, not killed."""
+    first = Ranks(2)
+    second = Ranks(2)
+    try:
+        ranks_of_first = first._supervisor.workers
+        first.close()
+        assert [w.returncode for w in ranks_of_first] == [0, 0]
+        assert second.exec("1") == [1, 1]
+    finally:
+        first.close()
+        second.close()
