@@ -195,6 +195,7 @@ def _run_attempts(plan: LaunchPlan, live_view: Any) -> tuple[AttemptResult, list
             if attempt >= plan.max_restarts or isinstance(failure, LaunchTimeoutError):
                 raise
             attempt += 1
+            _prompts.release_all()  # a post-mortem is for the failure that ends the launch
             router.notice(
                 f"{failure.root_cause.describe()}; restarting all ranks "
                 f"(restart {attempt} of {plan.max_restarts})."

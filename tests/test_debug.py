@@ -244,3 +244,33 @@ def test_breakpoint_works_with_grouped_output(kernel):
     out = _text(talk.run)
     assert out.index("\n42\n") < out.index("[rank 0] after 82")  # pdb first, lines at the end
     assert out.rstrip().endswith("[82, 84]")
+
+
+def _fails_on_rank_1(folder: str) -> None:
+    import pathlib
+
+    rank = int(os.environ["RANK"])
+    pathlib.Path(folder, f"pid{rank}-{os.getpid()}").write_text("1")
+    if rank == 1:
+        raise ValueError("again")
+
+
+@pytest.mark.timeout(120)
+def test_with_restarts_only_the_last_failure_is_kept_for_a_post_mortem(tmp_path):
+    from nb_dist import WorkerFailedError
+
+    with pytest.raises(WorkerFailedError) as info:
+        notebook_launcher(
+            _fails_on_rank_1, (str(tmp_path),), num_processes=2, max_restarts=1,
+            debug="postmortem", output="none",
+        )  # fmt: skip
+    held = info.value.post_mortem
+    try:
+        rank1 = [int(p.name.split("-")[1]) for p in tmp_path.glob("pid1-*")]
+        assert len(rank1) == 2
+        assert held.rank.process.pid == max(rank1, key=lambda pid: tmp_path.joinpath(
+            f"pid1-{pid}").stat().st_mtime_ns)  # fmt: skip
+        earlier = [pid for pid in rank1 if pid != held.rank.process.pid]
+        assert_all_gone(earlier)  # the first attempt's failed rank was not kept
+    finally:
+        held.release()
