@@ -91,7 +91,7 @@ def ask(text: str, prompt: str | None, unanswered: str = "goes on") -> str | Non
         if prompt is None:
             return None
         while True:
-            command = _protocol.decode_command(commands.recv_bytes())
+            command = _protocol.receive_command(commands)
             if isinstance(command, _protocol.DebugInput):
                 return command.line
     except (EOFError, OSError):

@@ -66,26 +66,47 @@ class History:
         self.steps.append(header + body)
 
     def called(self, function: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        name = getattr(function, "__name__", "function")
+        name = getattr(function, "__name__", "")
         try:
             source = textwrap.dedent(inspect.getsource(function))
         except (OSError, TypeError):
-            source = f"# the source of {name} is not available: define it here\n"
-        call_args = [_literal(a) for a in args] + [f"{k}={_literal(v)}" for k, v in kwargs.items()]
+            source = ""
+        values = [_literal(a, None) for a in args] + [_literal(v, None) for v in kwargs.values()]
+        if not name.isidentifier() or not source:
+            what = "a lambda" if name == "<lambda>" else f"{type(function).__name__} {name}"
+            self.steps.append(
+                f"# --- run({what}, ...): it has no source under a name to call; "
+                "write it as a def in the notebook to export it\n"
+            )
+            return
         self.sources.append(source)
-        self.steps.append(
-            f"# --- run({name}, ...)\n{source}\n_show({name}({', '.join(call_args)}))\n"
-        )
+        if any(value is None for value in values):
+            call = (
+                f"# {name}(...) was called with values that cannot be written as source: "
+                "call it here with them"
+            )
+        else:
+            keys = [f"{k}=" for k in kwargs]
+            parts = values[: len(args)] + [
+                k + v for k, v in zip(keys, values[len(args) :], strict=True)
+            ]
+            call = f"_show({name}({', '.join(parts)}))"
+        self.steps.append(f"# --- run({name}, ...)\n{source}\n{call}\n")
 
     def pushed(self, values: dict[str, Any]) -> None:
         lines = ["# --- push"]
         for name, value in values.items():
             per_rank = getattr(value, "values", None) if type(value).__name__ == "PerRank" else None
             if per_rank is not None:
-                items = ", ".join(_literal(v) for v in per_rank)
-                lines.append(f"{name} = [{items}][dist.get_rank()]")
+                items = [_literal(v, None) for v in per_rank]
+                line = f"{name} = [{', '.join(i or '' for i in items)}][dist.get_rank()]"
+                ok = all(item is not None for item in items)
             else:
-                lines.append(f"{name} = {_literal(value)}")
+                literal = _literal(value, None)
+                line, ok = f"{name} = {literal}", literal is not None
+            if not ok:
+                line = f"# {name} was pushed as a value that cannot be written as source: define it"
+            lines.append(line)
         self.steps.append("\n".join(lines) + "\n")
 
     def script(self, plan: LaunchPlan, name: str) -> str:
@@ -101,17 +122,24 @@ class History:
         done: dict[str, str] = {}
         order: list[str] = []
         while pending:
-            name = pending.pop()
+            name = min(pending)  # in name order: the same script every time
+            pending.discard(name)
             if name in done or name not in self.kernel or name == "dist":
                 continue
             done[name] = _definition(name, self.kernel[name])
             order.append(name)
             pending |= _names_used(done[name]) - done.keys()
-        # Imports first, then the rest in the order found (definitions before their users
-        # do not matter for functions; plain values have no dependencies).
-        imports = [done[n] for n in sorted(order) if done[n].startswith(("import ", "from "))]
-        others = [done[n] for n in order if not done[n].startswith(("import ", "from "))]
-        lines = imports + others
+
+        # Imports, then plain values, then functions and classes (a default argument or a
+        # class body may use a value), then what could not be written.
+        def kind(text: str) -> int:
+            if text.startswith(("import ", "from ")):
+                return 0
+            if text.startswith("#"):
+                return 3
+            return 2 if text.lstrip().startswith(("def ", "class ", "@", "async ")) else 1
+
+        lines = sorted((done[name] for name in order), key=kind)
         return "\n".join(lines) + ("\n" if lines else "")
 
 
@@ -153,13 +181,13 @@ def _definition(name: str, value: Any) -> str:
             return textwrap.dedent(inspect.getsource(value))
         except (OSError, TypeError):
             pass
-    literal = _literal(value, default=None)
+    literal = _literal(value, None)
     if literal is not None:
         return f"{name} = {literal}"
     return f"# {name} (a {type(value).__name__}) was defined in the notebook: define it here"
 
 
-def _literal(value: Any, default: str | None = "...") -> Any:
+def _literal(value: Any, default: str | None) -> Any:
     """``repr(value)`` when it reads back as the same value; else ``default``."""
     text = repr(value)
     try:

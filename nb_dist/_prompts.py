@@ -72,7 +72,7 @@ def converse(rank: Rank, pump: Callable[[float], None]) -> None:
     messages to :meth:`Rank.handle`, which keeps the newest prompt in ``rank.prompt``.
     """
     label = f"[rank {rank.outcome.rank}] "
-    while rank.alive and (rank.debugging or rank.prompt is not None):
+    while _reachable(rank) and (rank.debugging or rank.prompt is not None):
         prompt = rank.prompt
         if prompt is None:
             pump(0.05)
@@ -81,7 +81,11 @@ def converse(rank: Rank, pump: Callable[[float], None]) -> None:
         rank.prompt = None
         rank.debug_text += prompt.text
         _show(rank)
-        line = read_line(label + (prompt.prompt or "(Pdb) "))
+        try:
+            line = read_line(label + (prompt.prompt or "(Pdb) "))
+        except KeyboardInterrupt:
+            rank.send(_protocol.DebugInput("q"))  # ■ at the prompt quits the rank's debugger
+            raise  # (still `debugging` until the rank says its debugger ended: no SIGINT)
         if line is None:
             print(NO_FRONTEND.format(rank=rank.outcome.rank, what=prompt.unanswered), flush=True)
         if not rank.send(_protocol.DebugInput(line)) or line is None:
@@ -91,9 +95,14 @@ def converse(rank: Rank, pump: Callable[[float], None]) -> None:
     _show(rank)
 
 
+def _reachable(rank: Rank) -> bool:
+    """The rank runs and its control pipe is open (a rank that died mid-command is not)."""
+    return rank.alive and rank.control_closed_at is None
+
+
 def _wait_until_done(rank: Rank, pump: Callable[[float], None]) -> None:
     deadline = time.monotonic() + 5.0
-    while rank.alive and rank.debugging and time.monotonic() < deadline:
+    while _reachable(rank) and rank.debugging and time.monotonic() < deadline:
         if rank.prompt is not None:  # nobody answers: every further prompt gets "no one"
             rank.prompt = None
             rank.send(_protocol.DebugInput(None))

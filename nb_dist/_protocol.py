@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import threading
 import typing
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -216,9 +217,37 @@ Message = (
 )
 
 
+class _Sending(threading.local):
+    depth = 0
+
+
+_sending = _Sending()
+
+
+def sending() -> bool:
+    """Whether this thread is writing or reading a frame now: an interrupt must not cut it
+    in two (a live rank's SIGINT handler then lets it pass; the kernel repeats it)."""
+    return _sending.depth > 0
+
+
+def receive_command(commands: Connection) -> Command:
+    """The next command on a rank's ``commands`` pipe, read whole (see :func:`sending`)."""
+    _sending.depth += 1
+    try:
+        data = commands.recv_bytes()
+    finally:
+        _sending.depth -= 1
+    return decode_command(data)
+
+
 def send(control: Connection, message: Message | Command) -> None:
     """Send one message as one frame (see the module docstring)."""
-    control.send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    _sending.depth += 1
+    try:
+        control.send_bytes(data)
+    finally:
+        _sending.depth -= 1
 
 
 def decode(data: bytes) -> Message:
@@ -259,8 +288,12 @@ def type_name(obj: object) -> str:
 def write_raw(control: Connection, data: bytes) -> None:
     """Write ``data`` unframed after a :class:`Result` that announced its size."""
     view = memoryview(data)
-    while view:
-        view = view[os.write(control.fileno(), view) :]
+    _sending.depth += 1
+    try:
+        while view:
+            view = view[os.write(control.fileno(), view) :]
+    finally:
+        _sending.depth -= 1
 
 
 def read_raw(control: Connection, size: int) -> bytearray:

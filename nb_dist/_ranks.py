@@ -28,6 +28,7 @@ from ._launcher import _STORE_TIMEOUT, _open_monitor, rank_env, scratch_folder
 from ._output import OutputRouter
 from ._plan import LaunchPlan, check_arguments, decide
 from ._result import LaunchResult
+from ._serve import RESERVED
 from ._session import SessionSupervisor
 
 
@@ -120,6 +121,7 @@ class Ranks:
         self._closed = False
         self._history = _export.History()
         self.restarts = 0
+        self._cell_number = 0  # names the source of each exec() for tracebacks
         self._start()
         self._started_order = next(_order)
         _open_sessions.add(self)
@@ -260,7 +262,8 @@ class Ranks:
         __tracebackhide__ = True
         if not isinstance(source, str):
             raise TypeError(f"exec(source={source!r}): pass the code as a string.")
-        name = filename or f"<ranks cell {self.cells + 1}>"
+        self._cell_number += 1
+        name = filename or f"<ranks cell {self._cell_number}>"
         try:
             compile(source, name, "exec")
         except SyntaxError as exc:
@@ -290,6 +293,12 @@ class Ranks:
 
         if not values:
             raise TypeError("push() needs names and values, e.g. push(lr=0.1).")
+        reserved = sorted(RESERVED & values.keys())
+        if reserved:
+            raise ValueError(
+                f"push({reserved[0]}=...): {reserved[0]} belongs to the rank's namespace "
+                "itself. Push your values under other names."
+            )
         n = self.num_processes
         for name, value in values.items():
             if isinstance(value, PerRank) and len(value.values) != n:
@@ -334,8 +343,12 @@ class Ranks:
         if rank is None:
             return list(range(n))
         chosen: Sequence[object] = [rank] if isinstance(rank, int) else rank
-        if isinstance(chosen, (str, bytes)) or not all(
-            isinstance(r, int) and not isinstance(r, bool) and 0 <= r < n for r in chosen
+        if (
+            isinstance(chosen, (str, bytes))
+            or not chosen
+            or not all(
+                isinstance(r, int) and not isinstance(r, bool) and 0 <= r < n for r in chosen
+            )
         ):
             raise ValueError(
                 f"rank={rank!r}: give a rank between 0 and {n - 1}, or a list of them."
@@ -347,17 +360,20 @@ class Ranks:
         self._check_open()
         supervisor = self._supervisor
         if supervisor is None or supervisor.lost is not None:
-            reason = supervisor.lost.reason if supervisor and supervisor.lost else ""
-            raise SessionError(
-                f"This session's ranks are gone. {reason} Call restart() to start fresh "
-                "ranks (their state is lost)."
-            )
+            raise _gone(supervisor.lost.reason if supervisor and supervisor.lost else "")
         notice = supervisor.check_ready()
-        if supervisor.lost is not None:
-            raise SessionError(
-                f"This session's ranks are gone: {supervisor.lost.reason}. Call restart() to "
-                "start fresh ranks (their state is lost)."
-            )
+        lost = supervisor.lost
+        if lost is not None and not lost.dead_rank:
+            # A rank that could not be stopped: fresh ranks, as after a blocked cell.
+            self._router().notice(f"{lost.reason}: every rank was stopped and the session "
+                                  "restarted with fresh ranks; their state was lost.")  # fmt: skip
+            self._supervisor = None
+            self._release_store()
+            self.restarts += 1
+            self._start()
+            return self._live()
+        if lost is not None:
+            raise _gone(lost.reason)
         if notice is not None:
             self._router().notice(notice)
         return supervisor
@@ -407,6 +423,13 @@ class Ranks:
             port=self._store.port if self._store is not None else 0,
             start_method=self.plan.start_method,
         )
+
+
+def _gone(reason: str) -> SessionError:
+    """The error for a session whose ranks were stopped, with why and what to do."""
+    reason = reason.rstrip(". ")
+    advice = "" if "restart()" in reason else " Call restart() to start fresh ranks."
+    return SessionError(f"This session's ranks are gone: {reason}.{advice}")
 
 
 def _name(function: Any) -> str:

@@ -40,7 +40,7 @@ class _Interrupts:
         self.in_task = False
 
     def handler(self, signum: int, frame: types.FrameType | None) -> None:
-        if self.in_task:
+        if self.in_task and not _protocol.sending():  # never half a frame on the pipe
             raise KeyboardInterrupt
 
 
@@ -63,7 +63,7 @@ def serve(
     sink.send(_protocol.Idle(tasks, _collectives.count()))
     while True:
         try:
-            command = _protocol.decode_command(commands.recv_bytes())
+            command = _protocol.receive_command(commands)
         except (EOFError, OSError):
             break  # the kernel closed the session
         except KeyboardInterrupt:  # pragma: no cover - the handler raises only in a task

@@ -35,7 +35,7 @@ from ._supervisor import AttemptResult, Supervisor
 #: After a rank fails, how long the others may take to finish the task on their own.
 FAILURE_GRACE = 0.1
 #: After an interrupt, how long a rank may take to stop its task (then it is killed).
-INTERRUPT_GRACE = 0.5
+INTERRUPT_GRACE = 0.7
 #: While waiting for interrupted ranks, the interrupt is sent again this often.
 REPEAT_INTERRUPT = 0.05
 #: How long closed ranks get to destroy their process group and exit.
@@ -57,6 +57,8 @@ class SessionSupervisor(Supervisor):
     lost: Lost | None = None
     _interrupted = False
     _last_interrupt = 0.0
+    _in_task = False
+    _failed_at: float | None = None
     answers_post_mortems = True  # in the failing cell itself
     _closed = False
 
@@ -106,9 +108,9 @@ class SessionSupervisor(Supervisor):
         dead = [w for w in self.workers if not w.alive]
         if dead:
             code = dead[0].returncode
-            signal = signal_name(-code) if code is not None and code < 0 else None
-            how = _diagnosis.ended_without_value(code, signal)
-            self.lost = Lost(f"rank {dead[0].outcome.rank} ended between cells: {how}.", True)
+            name = signal_name(-code) if code is not None and code < 0 else None
+            how = _diagnosis.ended_without_value(code, name)
+            self.lost = Lost(f"rank {dead[0].outcome.rank} ended between cells: {how}", True)
             self.close()
             return None
         busy = [w for w in self.workers if w.idle_task != w.tasks_sent]
@@ -116,8 +118,10 @@ class SessionSupervisor(Supervisor):
             stuck = self._settle(busy)
             if stuck:
                 names = ", ".join(str(w.outcome.rank) for w in stuck)
-                self.lost = Lost(f"rank {names} was still busy with an earlier cell and could "
-                                 "not be interrupted.", dead_rank=True)  # fmt: skip
+                self.lost = Lost(
+                    f"rank {names} was still busy with an earlier cell and could not be "
+                    "interrupted", dead_rank=False,
+                )  # fmt: skip
                 self.close()
                 return None
         counts = {w.outcome.rank: w.collectives for w in self.workers}
@@ -144,7 +148,7 @@ class SessionSupervisor(Supervisor):
         self.workers = [everyone[i] for i in local_ranks]
         self.router, self.observer = router, observer
         self._failure_seen, self._first_finish, self._hang_noticed = False, None, set()
-        self._failed_at: float | None = None
+        self._failed_at = None
         self._interrupted, self._last_interrupt = False, 0.0
         self._in_task = True
         self.paused_for = 0.0
@@ -208,7 +212,8 @@ class SessionSupervisor(Supervisor):
         now = time.monotonic()
         if self._failed_at is None:
             self._failed_at = now
-        running = [w for w in self.workers if not w.finished]
+        # The failed rank itself is finishing (its Idle, or its post-mortem) on its own.
+        running = [w for w in self.workers if not w.finished and w.failure is None]
         since = now - self._failed_at
         if running and FAILURE_GRACE <= since < FAILURE_GRACE + INTERRUPT_GRACE:
             self._interrupt(running)
@@ -235,7 +240,12 @@ class SessionSupervisor(Supervisor):
             return
         self._interrupted, self._last_interrupt = True, now
         for worker in running:
-            if worker.process is not None:
+            if worker.prompt is not None:
+                # At a pdb prompt the rank waits for a line, not a signal: quit its debugger
+                # (a breakpoint's function raises BdbQuit; a post-mortem ends).
+                worker.prompt, worker.debugging = None, False
+                worker.send(_protocol.DebugInput("q"))
+            elif worker.process is not None and not worker.debugging:
                 worker.process.send_signal(signal.SIGINT)
 
     def _give_up(self, reason: str) -> None:

@@ -83,6 +83,7 @@ class Supervisor:
         self.paused_for = 0.0
         #: The failed rank kept for a post-mortem (``debug="postmortem"``), if any.
         self.held: Rank | None = None
+        self._post_mortem_given = False  # the held rank went to the error's PostMortem
 
     # ----------------------------------------------------------------- the attempt
     def run(self) -> AttemptResult:
@@ -97,7 +98,10 @@ class Supervisor:
             return self._result()
         except BaseException:
             # Failure, timeout or interrupt: stop everything before the exception reaches the
-            # cell, so the next launch starts from a clean kernel.
+            # cell, so the next launch starts from a clean kernel. A rank kept for a
+            # post-mortem stays only if its error carries it (else nobody could release it).
+            if not self._post_mortem_given:
+                self.held = None
             self._stop_all()
             self._drain_and_reap()
             raise
@@ -201,10 +205,15 @@ class Supervisor:
             began = time.monotonic()
             if self.observer is not None:
                 self.observer.paused(worker.local_rank, True)
-            _prompts.converse(worker, self._pump)
+            _prompts.converse(worker, self._pump_and_poll)
             if self.observer is not None and worker.alive:
                 self.observer.paused(worker.local_rank, False)
             self.paused_for += time.monotonic() - began
+
+    def _pump_and_poll(self, wait: float) -> None:
+        """Read the pipes, then notice ranks that ended (a debugger waits on both)."""
+        self._pump(wait)
+        self._poll_processes()
 
     def _unregister(self, conn: Connection) -> None:
         with contextlib.suppress(KeyError, ValueError):
@@ -378,14 +387,29 @@ class Supervisor:
                 self._set_status(worker, "collateral")
         logs = self._logs()
         message = _diagnosis.failure_message(root, outcomes, logs[root.local_rank])
-        held = self.held if self.held is not None and self.held.alive else None
+        held = self._held_at_its_prompt()
         if held is not None:
             message += "\n\n" + _diagnosis.post_mortem_note(held.outcome.rank)
         error = WorkerFailedError(message, root, outcomes, logs)
         if held is not None:
             error.post_mortem = _prompts.PostMortem(held, self._lifeline, self.router)
+            self._post_mortem_given = True
             _prompts.hook_debug_magic()
         return self._raise(error)
+
+    def _held_at_its_prompt(self) -> Rank | None:
+        """The held rank once its debugger has asked for a command (within 2 s); a rank that
+        never gets there (it failed before its function ran, so has no frames) is let go."""
+        held = self.held
+        deadline = time.monotonic() + 2.0
+        while held is not None and held.alive and held.prompt is None:
+            if time.monotonic() > deadline or held.control_closed_at is not None:
+                break
+            self._pump_and_poll(0.02)
+        if held is None or held.prompt is None or not held.alive:
+            self.held = None  # stopped with the others (run's finally)
+            return None
+        return held
 
     def _stop_with_stacks(self) -> tuple[list[Rank], dict[int, list[_diagnosis.Frame]]]:
         """Take the stacks of the live ranks, then stop everything: (who was live, stacks)."""

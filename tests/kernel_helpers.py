@@ -235,12 +235,13 @@ class Conversation:
 
 
 def execute_answering(
-    kc: BlockingKernelClient, code: str, answers: list[str], timeout: float = 60
+    kc: BlockingKernelClient, code: str, answers: list[Any], timeout: float = 60
 ) -> Conversation:
     """Run ``code`` with a frontend that answers ``input_request``s with ``answers`` in turn.
 
     This is what JupyterLab's input box does for ``input()``; an answer beyond the list is
-    an error (the cell asked more than the test expected)."""
+    an error (the cell asked more than the test expected). An answer that is a callable is
+    called instead of answering (e.g. the kernel manager's ``interrupt_kernel``)."""
     code = textwrap.dedent(code).strip("\n") + "\n"
     run = Execution(code=code, msg_id=kc.execute(code, allow_stdin=True), sent_at=time.monotonic())
     pending, prompts = list(answers), []
@@ -256,7 +257,11 @@ def execute_answering(
             prompts.append(request["content"]["prompt"])
             if not pending:
                 raise AssertionError(f"unexpected prompt {prompts[-1]!r}; prompts: {prompts}")
-            kc.input(pending.pop(0))
+            answer = pending.pop(0)
+            if callable(answer):
+                answer()
+            else:
+                kc.input(answer)
         try:
             msg = _to_message(kc.get_iopub_msg(timeout=0.02))
         except queue.Empty:

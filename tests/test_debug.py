@@ -158,7 +158,6 @@ def test_debug_mode_is_checked():
 # ----------------------------------------------------------------------------- breakpoint
 def test_breakpoint_stops_one_rank_and_continues(kernel):
     _, kc = kernel
-    began = time.monotonic()
     talk = execute_answering(kc, PAUSING, ["p secret", "n", "p after", "c"])
     talk.run.expect_ok()
     assert talk.prompts == ["[rank 1] (Pdb) "] * 4  # rank 1 only
@@ -167,7 +166,6 @@ def test_breakpoint_stops_one_rank_and_continues(kernel):
     assert "\n42\n" in out and "\n84\n" in out  # p secret, then p after the `n`
     assert "[rank 0] after 82" in out and "[rank 1] after 84" in out
     assert out.rstrip().endswith("[82, 84]")
-    assert time.monotonic() - began < 60
 
 
 def test_breakpoint_without_a_frontend_goes_on_with_a_message(kernel):
@@ -274,3 +272,28 @@ def test_with_restarts_only_the_last_failure_is_kept_for_a_post_mortem(tmp_path)
         assert_all_gone(earlier)  # the first attempt's failed rank was not kept
     finally:
         held.release()
+
+
+# ----------------------------------------------------------------------------- at a prompt
+def test_a_rank_that_dies_at_the_prompt_ends_the_cell(kernel):
+    """A command that kills the paused rank (or an OOM kill meanwhile): the cell ends with
+    the rank's exit, not a wait for a prompt that never comes."""
+    _, kc = kernel
+    talk = execute_answering(kc, PAUSING, ["import os; os._exit(3)"], timeout=60)
+    assert talk.run.error is not None and talk.run.error["ename"] == "WorkerFailedError"
+    assert "rank 1 failed first: the process exited with code 3" in talk.run.error["evalue"]
+
+
+def test_interrupting_at_a_prompt_quits_the_debugger_and_keeps_the_session(kernel):
+    km, kc = kernel
+    execute(kc, "import nb_dist\nranks = nb_dist.Ranks(2)").expect_ok()
+    execute(kc, "ranks.exec('import nb_dist, torch.distributed as dist\\ny = 1')").expect_ok()
+    cell = "ranks.exec('nb_dist.breakpoint(rank=0)\\ny = 7')"
+    talk = execute_answering(kc, cell, [km.interrupt_kernel], timeout=60)
+    assert talk.prompts == ["[rank 0] (Pdb) "]
+    assert talk.run.error["ename"] == "KeyboardInterrupt"
+    assert "still usable" in talk.run.error["evalue"]
+    # Rank 0 quit in pdb before its next line; rank 1 never waits at a breakpoint for another
+    # rank's pdb (only at its next collective), so it had finished the cell.
+    assert execute(kc, "ranks.pull('y')").expect_ok().result_text == "LaunchResult([1, 7])"
+    execute(kc, "ranks.close()").expect_ok()

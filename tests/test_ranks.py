@@ -360,3 +360,34 @@ def test_closing_one_session_reaches_its_ranks_while_another_is_open():
     finally:
         first.close()
         second.close()
+
+
+def test_export_comments_what_cannot_be_written_as_source():
+    from types import SimpleNamespace
+
+    from nb_dist._export import History
+
+    history = History()
+    history.called(lambda: 1, (), {})
+
+    def step(k, scale=1):
+        return k * scale
+
+    step.__module__ = "__main__"
+    history.called(step, (threading.Lock(),), {})
+    history.called(step, (2,), {"scale": 3})
+    history.pushed({"lock": threading.Lock(), "seeds": per_rank(1, 2)})
+    script = history.script(SimpleNamespace(nprocs=2, backend="gloo"), "x.py")  # type: ignore[arg-type]
+    assert "run(a lambda, ...): it has no source under a name to call" in script
+    assert "# step(...) was called with values that cannot be written as source" in script
+    assert "_show(step(2, scale=3))" in script
+    assert "# lock was pushed as a value that cannot be written as source" in script
+    assert "seeds = [1, 2][dist.get_rank()]" in script
+    compile(script, "x.py", "exec")
+
+
+def test_an_empty_rank_list_is_refused(ranks):
+    with pytest.raises(ValueError, match=r"rank=\[\]: give a rank between 0 and 1"):
+        ranks.exec("1", rank=[])
+    with pytest.raises(ValueError, match=r"push\(__name__=\.\.\.\): __name__ belongs to"):
+        ranks.push(__name__="x")
