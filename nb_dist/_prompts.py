@@ -24,11 +24,11 @@ import time
 import weakref
 from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import Any
 
 from . import _protocol
 from ._output import OutputRouter
 from ._rank import Rank
+from ._reporting import Reports
 from ._tracebacks import ipython_shell
 
 #: Tells the user why no prompt appeared (printed once per debugger).
@@ -169,7 +169,7 @@ class PostMortem:
                 if message is None:
                     selector.unregister(key.fd)
                 elif isinstance(message, _protocol.DebugPrompt):
-                    rank.handle(message, self._router, None, _no_reports(), set())
+                    rank.handle(message, self._router, None, Reports(), set())
             elif not rank.read_stream(kind, self._router):
                 selector.unregister(key.fd)
         if rank.alive and rank.process is not None:
@@ -197,12 +197,6 @@ def _release(rank: Rank, lifeline: Connection | None) -> None:
     if lifeline is not None:
         with contextlib.suppress(OSError):
             lifeline.close()
-
-
-def _no_reports() -> Any:
-    from ._reporting import Reports
-
-    return Reports()
 
 
 _held: set[PostMortem] = set()

@@ -174,6 +174,10 @@ class Ranks:
         """Stop every rank and start fresh ones (the kernel's namespace as it is now)."""
         __tracebackhide__ = True
         self._check_open()
+        self._renew()
+
+    def _renew(self) -> None:
+        """Stop the ranks (if any still run) and start fresh ones."""
         self._stop()
         self.restarts += 1
         self._start()
@@ -367,10 +371,7 @@ class Ranks:
             # A rank that could not be stopped: fresh ranks, as after a blocked cell.
             self._router().notice(f"{lost.reason}: every rank was stopped and the session "
                                   "restarted with fresh ranks; their state was lost.")  # fmt: skip
-            self._supervisor = None
-            self._release_store()
-            self.restarts += 1
-            self._start()
+            self._renew()
             return self._live()
         if lost is not None:
             raise _gone(lost.reason)
@@ -405,10 +406,7 @@ class Ranks:
                 # A blocked session restarts by itself (the error says so). Outside the
                 # except block: a rank forked there would chain the kernel's exception to
                 # every exception it raises later.
-                self._supervisor = None
-                self._release_store()
-                self.restarts += 1
-                self._start()
+                self._renew()
             raise failure
         if monitor is not None:
             monitor.close(outcome.outcomes)
