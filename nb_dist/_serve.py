@@ -86,7 +86,8 @@ def _namespace() -> dict[str, Any]:
     """The rank's namespace: the kernel's user namespace as it was at fork time.
 
     A forked rank has a copy of the kernel's IPython shell, whose ``user_ns`` is the
-    notebook's globals. A spawned rank (or a plain script) starts from an empty module.
+    notebook's globals; forked from a plain script, it has the script's ``__main__``. A
+    spawned rank (or one under ``python -m``) starts from an empty module.
     """
     ipython = sys.modules.get("IPython")
     shell = ipython.get_ipython() if ipython is not None else None
