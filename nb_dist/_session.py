@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _diagnosis, _protocol
-from ._errors import LaunchInterrupted, LaunchTimeoutError, WorkerFailedError
+from ._errors import LaunchInterrupted, LaunchTimeoutError
 from ._output import OutputRouter
 from ._processes import signal_name
 from ._rank import Rank
@@ -170,7 +170,7 @@ class SessionSupervisor(Supervisor):
             for worker in self.workers:
                 for kind, splitter in worker.splitters.items():
                     router.lines(worker.local_rank, kind, splitter.flush())
-            return self._task_result()
+            return self._result()
         finally:
             self._in_task = False
             self.workers = everyone
@@ -178,12 +178,8 @@ class SessionSupervisor(Supervisor):
             if self.lost is not None:
                 self.close()
 
-    def _task_result(self) -> AttemptResult:
-        __tracebackhide__ = True
-        try:
-            return self._result()
-        except WorkerFailedError as error:
-            raise _with_note(error, self._note()) from None
+    def _failure_note(self) -> str:
+        return self._note() if self._in_task else ""
 
     def _note(self) -> str:
         if self.lost is None:
@@ -296,11 +292,7 @@ class SessionSupervisor(Supervisor):
     def _task_timeout(self, timeout: float) -> LaunchTimeoutError:
         live = [w for w in self.workers if w.alive and not w.finished]
         frames = self._stacks(live)
-        views = [
-            w.stuck_view(w in live, frames.get(w.local_rank), self.counter_file(w))
-            for w in self.workers
-        ]
-        text, stacks = _diagnosis.timeout_report(timeout, views, what="cell")
+        text, stacks = _diagnosis.timeout_report(timeout, self._stuck_views(live, frames), "cell")
         stuck = self._settle_interrupted()
         if stuck:
             names = ", ".join(str(w.outcome.rank) for w in stuck)
@@ -316,11 +308,3 @@ class SessionSupervisor(Supervisor):
 
 def _plural(count: int) -> str:
     return "s" if count > 1 else ""
-
-
-def _with_note(error: WorkerFailedError, note: str) -> WorkerFailedError:
-    """The same error with ``note`` after its message (nbval compares the message)."""
-    noted = WorkerFailedError(f"{error}\n\n{note}", error.root_cause, error.outcomes, error.logs)
-    noted.reports = error.reports
-    noted.post_mortem = error.post_mortem
-    return noted

@@ -390,12 +390,28 @@ class Supervisor:
         held = self._held_at_its_prompt()
         if held is not None:
             message += "\n\n" + _diagnosis.post_mortem_note(held.outcome.rank)
+        note = self._failure_note()
+        if note:
+            message += "\n\n" + note
         error = WorkerFailedError(message, root, outcomes, logs)
         if held is not None:
             error.post_mortem = _prompts.PostMortem(held, self._lifeline, self.router)
             self._post_mortem_given = True
             _prompts.hook_debug_magic()
         return self._raise(error)
+
+    def _failure_note(self) -> str:
+        """A last paragraph for a failure's message (live ranks: the session's state)."""
+        return ""
+
+    def _stuck_views(
+        self, live: list[Rank], frames: dict[int, list[_diagnosis.Frame]]
+    ) -> list[_diagnosis.StuckRank]:
+        """Every rank for a timeout report: where the live ones were, their collectives."""
+        return [
+            w.stuck_view(w in live, frames.get(w.local_rank), self.counter_file(w))
+            for w in self.workers
+        ]
 
     def _held_at_its_prompt(self) -> Rank | None:
         """The held rank once its debugger has asked for a command (within 2 s); a rank that
@@ -421,10 +437,7 @@ class Supervisor:
 
     def _timeout_error(self) -> LaunchTimeoutError:
         live, frames = self._stop_with_stacks()
-        views = [
-            w.stuck_view(w in live, frames.get(w.local_rank), self.counter_file(w))
-            for w in self.workers
-        ]
+        views = self._stuck_views(live, frames)
         timeout = self.config.timeout or 0.0
         text, stacks = _diagnosis.timeout_report(timeout, views)
         outcomes = [w.outcome for w in self.workers]

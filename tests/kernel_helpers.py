@@ -99,6 +99,15 @@ class Execution:
     reply: dict[str, Any] | None = None
     idle_at: float | None = None
 
+    def record(self, msg: Message) -> None:
+        """File one iopub message: this request's, its idle status, or another's."""
+        if msg.parent_id != self.msg_id:
+            self.foreign.append(msg)
+        elif msg.msg_type == "status" and msg.content["execution_state"] == "idle":
+            self.idle_at = msg.arrived
+        else:
+            self.mine.append(msg)
+
     @property
     def streams(self) -> list[Message]:
         return [m for m in self.mine if m.msg_type == "stream"]
@@ -166,15 +175,22 @@ def collect(
         if remaining <= 0:
             raise AssertionError(f"no idle status within {timeout} s for cell:\n{run.code}")
         try:
-            msg = _to_message(kc.get_iopub_msg(timeout=min(remaining, 0.5)))
+            run.record(_to_message(kc.get_iopub_msg(timeout=min(remaining, 0.5))))
         except queue.Empty:
             continue
-        if msg.parent_id != run.msg_id:
-            run.foreign.append(msg)
-        elif msg.msg_type == "status" and msg.content["execution_state"] == "idle":
-            run.idle_at = msg.arrived
-        else:
-            run.mine.append(msg)
+    _await_reply(kc, run, deadline, timeout)
+    late_until = time.monotonic() + late_window
+    while (remaining := late_until - time.monotonic()) > 0:
+        try:
+            msg = _to_message(kc.get_iopub_msg(timeout=remaining))
+        except queue.Empty:
+            break
+        (run.late if msg.parent_id == run.msg_id else run.foreign).append(msg)
+    return run
+
+
+def _await_reply(kc: BlockingKernelClient, run: Execution, deadline: float, timeout: float) -> None:
+    """Read shell replies until this request's."""
     while run.reply is None:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -185,14 +201,6 @@ def collect(
             continue
         if reply["parent_header"].get("msg_id") == run.msg_id:
             run.reply = reply
-    late_until = time.monotonic() + late_window
-    while (remaining := late_until - time.monotonic()) > 0:
-        try:
-            msg = _to_message(kc.get_iopub_msg(timeout=remaining))
-        except queue.Empty:
-            break
-        (run.late if msg.parent_id == run.msg_id else run.foreign).append(msg)
-    return run
 
 
 def execute(
@@ -263,14 +271,8 @@ def execute_answering(
             else:
                 kc.input(answer)
         try:
-            msg = _to_message(kc.get_iopub_msg(timeout=0.02))
+            run.record(_to_message(kc.get_iopub_msg(timeout=0.02)))
         except queue.Empty:
             continue
-        if msg.parent_id != run.msg_id:
-            run.foreign.append(msg)
-        elif msg.msg_type == "status" and msg.content["execution_state"] == "idle":
-            run.idle_at = msg.arrived
-        else:
-            run.mine.append(msg)
-    run.reply = kc.get_shell_msg(timeout=10)
+    _await_reply(kc, run, time.monotonic() + 10, 10)
     return Conversation(run, prompts)

@@ -16,7 +16,14 @@ import time
 import psutil
 import pytest
 from kernel_helpers import collect as collect_run
-from kernel_helpers import execute, kernel_pid, send, start_kernel, stop_kernel
+from kernel_helpers import (
+    execute,
+    kernel_pid,
+    send,
+    start_kernel,
+    stop_kernel,
+    wait_for_files,
+)
 from process_helpers import assert_all_gone
 
 pytestmark = pytest.mark.timeout(180)
@@ -95,10 +102,7 @@ def test_interrupt_stops_a_cell_on_every_rank_and_the_session_stays(kernel, tmp_
         "pathlib.Path(folder, f'running{dist.get_rank()}').write_text('1')\n"
         "time.sleep(120)",
     )
-    deadline = time.monotonic() + 30
-    while not all((tmp_path / f"running{r}").exists() for r in (0, 1)):
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_for_files(tmp_path, "running*", 2, within=30)
     interrupted_at = time.monotonic()
     km.interrupt_kernel()
     collect_run(kc, run)
@@ -126,10 +130,7 @@ def test_interrupt_of_a_rank_blocked_in_a_collective_restarts(kernel, tmp_path):
         "else:\n"
         "    time.sleep(120)",
     )
-    deadline = time.monotonic() + 30
-    while not (tmp_path / "waiting").exists():
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_for_files(tmp_path, "waiting", 1, within=30)
     km.interrupt_kernel()
     collect_run(kc, run)
     assert run.error["ename"] == "KeyboardInterrupt"
