@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _openmp, _preflight, _warm
+from . import _openmp, _preflight, _shipping, _warm
 from ._errors import UnsafeLaunchError
 from ._output import DEFAULT_PREFIX, OUTPUT_MODES, RICH_OUTPUT_MODES
 from ._precision import normalize_mixed_precision
@@ -485,11 +485,8 @@ def _loopback_interface() -> str | None:
 
 def _pickle_for_spawn(function: Callable[..., Any], args: tuple[Any, ...]) -> bytes:
     """Ship the function and args by value, so functions defined in a cell work with spawn."""
-    import cloudpickle
-
     try:
-        data: bytes = cloudpickle.dumps((function, args))
-        return data
+        return _shipping.dumps((function, args))
     except Exception as exc:
         raise TypeError(
             f"start_method='spawn'/'forkserver' must send the function and args to fresh "

@@ -22,7 +22,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import _export, _ports, _prompts, _protocol, _warm
+from . import _export, _ports, _prompts, _protocol, _shipping, _warm
 from ._errors import LaunchError
 from ._launcher import _STORE_TIMEOUT, _open_monitor, rank_env, scratch_folder
 from ._output import OutputRouter
@@ -241,12 +241,10 @@ class Ranks:
         uses come from the kernel. ``timeout`` is this call's limit (not passed on).
         """
         __tracebackhide__ = True
-        import cloudpickle
-
         if not callable(function):
             raise TypeError(f"run(function={function!r}): pass a function (or other callable).")
         try:
-            payload = cloudpickle.dumps((function, args, kwargs))
+            payload = _shipping.dumps((function, args, kwargs))
         except Exception as exc:
             raise TypeError(
                 f"run({_name(function)}, ...): the function or its arguments cannot be sent to "
@@ -293,8 +291,6 @@ class Ranks:
         """Set names in every rank's namespace; ``per_rank(v0, v1, ...)`` for values that
         differ by rank (rank ``i`` gets ``v_i``)."""
         __tracebackhide__ = True
-        import cloudpickle
-
         if not values:
             raise TypeError("push() needs names and values, e.g. push(lr=0.1).")
         reserved = sorted(RESERVED & values.keys())
@@ -314,7 +310,7 @@ class Ranks:
         for local in range(n):
             mine = {k: v.values[local] if isinstance(v, PerRank) else v for k, v in values.items()}
             try:
-                payloads.append(cloudpickle.dumps(mine))
+                payloads.append(_shipping.dumps(mine))
             except Exception as exc:
                 raise TypeError(
                     f"push(...): a value cannot be sent to the ranks ({type(exc).__name__}: "

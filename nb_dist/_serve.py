@@ -25,7 +25,7 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-from . import _collectives, _debug, _protocol
+from . import _collectives, _debug, _protocol, _shipping
 from ._reporting import _Sink
 from ._worker import WorkerChannels, WorkerSpec, dumps_result, failure, flush_all, unpicklable
 
@@ -139,11 +139,9 @@ def _safe_repr(value: Any) -> str:
 
 
 def _perform(command: _protocol.Command, namespace: dict[str, Any], rank: int) -> Any:
-    import cloudpickle
-
     match command:
         case _protocol.Call(payload=payload):
-            function, args, kwargs = cloudpickle.loads(payload)
+            function, args, kwargs = _shipping.loads(payload)
             return _in_namespace(function, namespace)(*args, **kwargs)
         case _protocol.Execute(source=source, filename=filename):
             return execute(source, filename, namespace)
@@ -155,7 +153,7 @@ def _perform(command: _protocol.Command, namespace: dict[str, Any], rank: int) -
             values = tuple(namespace[name] for name in names)
             return values[0] if len(values) == 1 else values
         case _protocol.Push(payload=payload):
-            namespace.update(cloudpickle.loads(payload))
+            namespace.update(_shipping.loads(payload))
             return None
     raise TypeError(f"unexpected command {command!r}")  # pragma: no cover
 

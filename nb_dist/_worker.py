@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, fields
 from multiprocessing.connection import Connection
 from typing import Any
 
-from . import _debug, _protocol, _reporting
+from . import _debug, _protocol, _reporting, _shipping
 from ._tracebacks import PACKAGE_DIR
 
 # Set in a worker so that a launch from inside a worker is refused (see preflight).
@@ -372,9 +372,7 @@ def _load_function(spec: WorkerSpec) -> tuple[Callable[..., Any], tuple[Any, ...
     for entry in reversed(spec.sys_path):
         if entry not in sys.path:
             sys.path.insert(0, entry)
-    import cloudpickle
-
-    function, args = cloudpickle.loads(spec.payload)
+    function, args = _shipping.loads(spec.payload)
     return function, tuple(args)
 
 

@@ -21,8 +21,11 @@ KERNEL_NAME = "nb-dist-test"
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
-def start_kernel(workdir: Path) -> tuple[KernelManager, BlockingKernelClient]:
-    """Start an ipykernel running this very interpreter, with OMP_NUM_THREADS=1."""
+def start_kernel(
+    workdir: Path, env: dict[str, str] | None = None
+) -> tuple[KernelManager, BlockingKernelClient]:
+    """Start an ipykernel running this very interpreter, with OMP_NUM_THREADS=1 (and ``env``
+    on top of the test's environment)."""
     spec_dir = workdir / "kernels" / KERNEL_NAME
     spec_dir.mkdir(parents=True, exist_ok=True)
     (spec_dir / "kernel.json").write_text(
@@ -38,9 +41,8 @@ def start_kernel(workdir: Path) -> tuple[KernelManager, BlockingKernelClient]:
     specs = KernelSpecManager(kernel_dirs=[str(workdir / "kernels")])
     km = KernelManager(kernel_name=KERNEL_NAME, kernel_spec_manager=specs)
     km.connection_file = str(workdir / "connection.json")
-    env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = "1"
-    km.start_kernel(env=env, cwd=str(workdir))
+    kernel_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    km.start_kernel(env=kernel_env, cwd=str(workdir))
     try:
         kc = connect(km)
     except BaseException:
