@@ -18,6 +18,7 @@ debugs it or lets it go.
 from __future__ import annotations
 
 import contextlib
+import linecache
 import os
 import pdb
 import sys
@@ -50,9 +51,10 @@ _state = _State()
 class _PromptIO:
     """pdb's stdin and stdout: output is collected, and a read asks the kernel for a line."""
 
-    def __init__(self, on_eof: str) -> None:
+    def __init__(self, on_eof: str, where: Callable[[], str]) -> None:
         self._text: list[str] = []
         self._on_eof = on_eof  # what to do when no frontend can answer
+        self._where = where
 
     def write(self, text: str) -> int:
         self._text.append(text)
@@ -73,13 +75,13 @@ class _PromptIO:
             if text.endswith(candidate):
                 text, prompt = text[: -len(candidate)], candidate.strip() + " "
         unanswered = "goes on" if self._on_eof == "continue" else "was released"
-        line = ask(text, prompt or "(Pdb) ", unanswered)
+        line = ask(text, prompt or "(Pdb) ", unanswered, self._where())
         if line is None:
             return self._on_eof + "\n"
         return line + "\n"
 
 
-def ask(text: str, prompt: str | None, unanswered: str = "goes on") -> str | None:
+def ask(text: str, prompt: str | None, unanswered: str = "goes on", where: str = "") -> str | None:
     """Send ``text`` and ``prompt`` to the kernel; its answer (``None``: nobody can answer).
 
     ``prompt=None`` only tells the kernel that the debugger has finished."""
@@ -87,7 +89,7 @@ def ask(text: str, prompt: str | None, unanswered: str = "goes on") -> str | Non
     if send is None or commands is None:
         return None
     try:
-        send(_protocol.DebugPrompt(text, prompt, unanswered))
+        send(_protocol.DebugPrompt(text, prompt, unanswered, where))
         if prompt is None:
             return None
         while True:
@@ -102,10 +104,21 @@ class _NotebookPdb(pdb.Pdb):
     """pdb whose commands come from the notebook (see the module docstring)."""
 
     def __init__(self, on_eof: str) -> None:
-        self.io = _PromptIO(on_eof)
+        self.io = _PromptIO(on_eof, self._where)
         super().__init__(stdin=self.io, stdout=self.io, nosigint=True, readrc=False)  # type: ignore[arg-type]
         self.use_rawinput = False
         self.prompt = "(Pdb) "
+
+    def _where(self) -> str:
+        """The current frame as a traceback line, plain (pdb's own rendering has IPython's
+        colours in a kernel, which change from release to release)."""
+        frame = getattr(self, "curframe", None)
+        if frame is None:
+            return ""
+        code, line = frame.f_code, frame.f_lineno
+        where = f'File "{code.co_filename}", line {line}, in {code.co_name}'
+        source = linecache.getline(code.co_filename, line, frame.f_globals).strip()
+        return f"{where}\n    {source}" if source else where
 
     def interaction(self, frame: Any, tb_or_exc: Any) -> None:
         try:

@@ -29,7 +29,7 @@ from . import _protocol
 from ._output import OutputRouter
 from ._rank import Rank
 from ._reporting import Reports
-from ._tracebacks import ipython_shell
+from ._tracebacks import ipython_shell, relabel_cells
 
 #: Tells the user why no prompt appeared (printed once per debugger).
 NO_FRONTEND = (
@@ -79,13 +79,21 @@ def converse(rank: Rank, pump: Callable[[float], None]) -> None:
             _show(rank)
             continue
         rank.prompt = None
-        rank.debug_text += prompt.text
-        _show(rank)
-        try:
-            line = read_line(label + (prompt.prompt or "(Pdb) "))
-        except KeyboardInterrupt:
-            rank.send(_protocol.DebugInput("q"))  # ■ at the prompt quits the rank's debugger
-            raise  # (still `debugging` until the rank says its debugger ended: no SIGINT)
+        line: str | None = None
+        if frontend_can_answer():
+            rank.debug_text += prompt.text
+            _show(rank)
+            try:
+                line = read_line(label + (prompt.prompt or "(Pdb) "))
+            except KeyboardInterrupt:
+                rank.send(_protocol.DebugInput("q"))  # ■ at the prompt quits the rank's debugger
+                raise  # (still `debugging` until the rank says its debugger ended: no SIGINT)
+        else:
+            # Nobody will read pdb's own rendering (coloured, laid out by the installed
+            # IPython): the cell keeps a plain, stable line of where the rank stopped.
+            _show(rank)
+            if prompt.where:
+                print(f"rank {rank.outcome.rank} stopped at {relabel_cells(prompt.where)}")
         if line is None:
             print(NO_FRONTEND.format(rank=rank.outcome.rank, what=prompt.unanswered), flush=True)
         if not rank.send(_protocol.DebugInput(line)) or line is None:

@@ -146,6 +146,10 @@ class DebugPrompt:
     prompt: str | None
     #: What the rank does when nobody can answer (said in the cell): "goes on", "was released".
     unanswered: str = "goes on"
+    #: Where the rank stopped, plain (``File "f", line L, in name`` and the source line): what
+    #: the cell shows instead of ``text`` where nobody can answer, so that output stays the
+    #: same whatever colours and layout the installed IPython gives pdb.
+    where: str = ""
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from kernel_helpers import (
     execute,
     execute_answering,
     kernel_pid,
+    line_in,
     start_kernel,
     stop_kernel,
 )
@@ -171,7 +172,17 @@ def test_breakpoint_stops_one_rank_and_continues(kernel):
 def test_breakpoint_without_a_frontend_goes_on_with_a_message(kernel):
     _, kc = kernel
     run = _like_nbval(kc, PAUSING).expect_ok()
+    raw = run.stdout()
+    # Plain text only: pdb's coloured rendering (which IPython releases change) is not kept
+    # where nobody reads it, only where the rank stopped, as a traceback would name it.
+    assert "\x1b[" not in raw, repr(raw)
     out = _text(run)
+    after = line_in(PAUSING, "after = secret * 2")
+    assert (
+        f"rank 1 stopped at Cell In[{run.execution_count}], line {after}, in f\n"
+        "    after = secret * 2\n"
+    ) in out, out
+    assert "paused; c goes on" not in out  # pdb's own text is for a person at the prompt
     assert "rank 1 is in the debugger, but this run cannot answer its prompts" in out
     assert "The rank goes on" in out
     assert out.rstrip().endswith("[82, 84]")

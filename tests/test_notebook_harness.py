@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -82,3 +83,24 @@ def test_nbval_passes_with_the_right_prediction(tmp_path):
     run = _nbval(notebook)
     assert run.returncode == 0, run.stdout
     assert "3 passed" in run.stdout, run.stdout
+
+
+TEACHING = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
+
+
+@pytest.mark.parametrize("notebook", TEACHING, ids=lambda path: path.stem)
+def test_compared_outputs_hold_no_terminal_colours(notebook):
+    """Outputs nbval compares are plain text: colour codes change with releases (IPython 9.18
+    recoloured pdb's listing), and students read stored outputs on GitHub and nbviewer too.
+    Tracebacks (error outputs) are not compared and keep IPython's colours."""
+    coloured = []
+    for number, cell in enumerate(json.loads(notebook.read_text())["cells"]):
+        for output in cell.get("outputs", []):
+            if output["output_type"] == "error":
+                continue
+            text = "".join(output.get("text", "")) + "".join(
+                output.get("data", {}).get("text/plain", "")
+            )
+            if "\x1b[" in text:
+                coloured.append(number)
+    assert not coloured, f"{notebook.name}: cells {coloured} store terminal colour codes"
