@@ -379,9 +379,10 @@ def _load_function(spec: WorkerSpec) -> tuple[Callable[..., Any], tuple[Any, ...
 def _prepare_torch(spec: WorkerSpec, send: Callable[[_protocol.Message], None]) -> None:
     import torch
 
-    from . import _rendezvous
+    from . import _groups, _rendezvous
 
     _rendezvous.install(send, spec.env["MASTER_ADDR"], int(spec.env["MASTER_PORT"]))
+    _groups.install()  # no process group is destroyed before os._exit (a hang or SIGABRT)
     counter = spec.env.get(COLLECTIVES_ENV)
     if counter:
         from . import _collectives

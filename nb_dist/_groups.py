@@ -1,0 +1,64 @@
+"""Rank side: every process group a rank creates lives until the rank leaves with ``os._exit``.
+
+Destroying a gloo process group while other threads still finish its work can kill or hang a
+rank after the user's function has returned: the group's destructor joins its worker threads
+holding the GIL while one of them waits for the GIL to free a Python object (a hang), or the
+last reference is dropped on one of those threads, which then joins itself (``std::terminate``,
+"Resource deadlock avoided", SIGABRT). It happens when a DDP model outlives
+``destroy_process_group()`` (the PyTorch DDP tutorial series' ``main``), or when a comm hook's
+futures drop the last reference (PowerSGD), and far more often in a process forked from a
+parent that imported ``torch._dynamo`` (pytorch/pytorch#56297 is the upstream issue).
+
+Every rank of nb_dist leaves through ``os._exit``, which runs no destructor, so the groups
+need never be destroyed at all: a reference to each one is kept here from its creation on.
+``destroy_process_group()`` still does everything else it does (the group is gone from
+``torch.distributed``'s tables and a new ``init_process_group`` works).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Any
+
+#: The functions wrapped, in ``torch.distributed.distributed_c10d``: every group is made by the
+#: first (the default one and ``new_group``'s), and the default one is also passed to the
+#: second; either is enough for the default group.
+HOOKED = ("_new_process_group_helper", "_update_default_pg")
+
+_kept: list[Any] = []
+
+
+def kept() -> int:
+    """How many objects holding process groups this rank keeps (for tests)."""
+    return len(_kept)
+
+
+def install() -> list[str]:
+    """Keep every process group this rank creates; the hooks this torch lacks (names)."""
+    try:
+        c10d = importlib.import_module("torch.distributed.distributed_c10d")
+    except ImportError:  # pragma: no cover - torch without distributed support
+        return []
+    missing = []
+    for name in HOOKED:
+        original = getattr(c10d, name, None)
+        if original is None:
+            missing.append(f"torch.distributed.distributed_c10d.{name}")
+        elif not getattr(original, "_nb_dist_keeps", False):
+            setattr(c10d, name, _keeping(original))
+    return missing
+
+
+def _keeping(original: Any) -> Any:
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        if result is not None:
+            _kept.append(result)  # a group, or a tuple holding one: never freed before _exit
+        elif args and args[0] is not None:
+            _kept.append(args[0])  # _update_default_pg(pg) returns nothing
+        return result
+
+    wrapper._nb_dist_keeps = True  # type: ignore[attr-defined]
+    return wrapper
