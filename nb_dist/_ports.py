@@ -23,7 +23,7 @@ started_worker_pids: set[int] = set()
 
 def open_store(master_addr: str, port: int | None, world_size: int, timeout: float) -> Any:
     """Start the launch's TCPStore server in the kernel on ``port`` (``None``: a free port)."""
-    from torch._C._distributed_c10d import TCPStore  # what torch.distributed re-exports
+    from torch.distributed import TCPStore
 
     try:
         store = TCPStore(

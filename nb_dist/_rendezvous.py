@@ -26,6 +26,7 @@ import contextlib
 import functools
 import importlib
 import ipaddress
+import logging
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -54,26 +55,52 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def install(send: Send, launch_host: str, launch_port: int) -> None:
-    """Install both hooks in this worker (idempotent); ``send`` delivers a control message."""
+#: The torch functions the hooks wrap, by module. A torch release that renames one switches
+#: its feature off (see :func:`install`); tests/test_torch_hooks.py fails loudly when the
+#: tested torch lacks one.
+HOOKED = {
+    "torch.distributed.rendezvous": ("_create_c10d_store",),
+    "torch.distributed.distributed_c10d": ("rendezvous", "_update_default_pg"),
+}
+
+
+def install(send: Send, launch_host: str, launch_port: int) -> list[str]:
+    """Install both hooks in this worker (idempotent); ``send`` delivers a control message.
+
+    Returns the hooks that this torch does not allow (``module.function`` names), logged on
+    the ``nb_dist`` logger. Without them a launch still runs: a rendezvous that cannot
+    complete is then stopped by the launch's ``timeout`` instead of within seconds, and a
+    function that picks its own address must pick the launcher's.
+    """
     try:
         import torch.distributed as dist
 
         if not dist.is_available():
-            return
+            return []
         # By module path: ``torch.distributed.rendezvous`` as an attribute is the function.
         c10d = importlib.import_module("torch.distributed.distributed_c10d")
         rendezvous_module = importlib.import_module("torch.distributed.rendezvous")
     except ImportError:  # pragma: no cover - torch without distributed support
-        return
-    _wrap_store_factory(rendezvous_module, launch_host, launch_port)
-    _wrap_rendezvous(c10d, send)
+        return []
+    missing = []
+    if not _wrap_store_factory(rendezvous_module, launch_host, launch_port):
+        missing.append("torch.distributed.rendezvous._create_c10d_store")
+    if not _wrap_rendezvous(c10d, send):
+        missing.append("torch.distributed.distributed_c10d.rendezvous/_update_default_pg")
+    if missing:
+        logging.getLogger("nb_dist").info(
+            "this torch has no %s: the rendezvous hooks are off", ", ".join(missing)
+        )
+    return missing
 
 
-def _wrap_store_factory(module: Any, launch_host: str, launch_port: int) -> None:
+def _wrap_store_factory(module: Any, launch_host: str, launch_port: int) -> bool:
+    """Wrap ``module._create_c10d_store``; whether it is wrapped (``False``: torch lacks it)."""
     original = getattr(module, "_create_c10d_store", None)
-    if original is None or getattr(original, "_nb_dist_hook", False):
-        return
+    if original is None:
+        return False
+    if getattr(original, "_nb_dist_hook", False):
+        return True
 
     @functools.wraps(original)
     def create_store(hostname: str, port: int, *args: Any, **kwargs: Any) -> Any:
@@ -90,13 +117,17 @@ def _wrap_store_factory(module: Any, launch_host: str, launch_port: int) -> None
 
     create_store._nb_dist_hook = True  # type: ignore[attr-defined]
     module._create_c10d_store = create_store
+    return True
 
 
-def _wrap_rendezvous(c10d: Any, send: Send) -> None:
+def _wrap_rendezvous(c10d: Any, send: Send) -> bool:
+    """Wrap ``rendezvous`` and ``_update_default_pg`` (both or neither); whether they are."""
     rendezvous = getattr(c10d, "rendezvous", None)
     update = getattr(c10d, "_update_default_pg", None)
-    if rendezvous is None or update is None or getattr(rendezvous, "_nb_dist_hook", False):
-        return
+    if rendezvous is None or update is None:
+        return False
+    if getattr(rendezvous, "_nb_dist_hook", False):
+        return True
 
     @functools.wraps(rendezvous)
     def entering(url: str, rank: int = -1, world_size: int = -1, **kwargs: Any) -> Iterator[Any]:
@@ -116,6 +147,7 @@ def _wrap_rendezvous(c10d: Any, send: Send) -> None:
     entering._nb_dist_hook = True  # type: ignore[attr-defined]
     c10d.rendezvous = entering
     c10d._update_default_pg = updated
+    return True
 
 
 def _int_env(name: str) -> int | None:

@@ -1,0 +1,58 @@
+"""Canaries for the torch private functions nb_dist hooks in a rank (``_rendezvous.HOOKED``).
+
+Each is looked up by name, so a torch release that renames one switches its feature off
+without an error: these tests fail loudly on such a release instead. The degrade tests show
+what a torch without them gets: no hook, no half-installed hook, and no error.
+"""
+
+from __future__ import annotations
+
+import importlib
+import types
+
+import pytest
+import torch
+
+from nb_dist import _rendezvous, notebook_launcher
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _hooks_in_this_rank() -> dict[str, bool]:
+    found = {}
+    for module_name, names in _rendezvous.HOOKED.items():
+        module = importlib.import_module(module_name)
+        for name in names:
+            function = getattr(module, name, None)
+            found[f"{module_name}.{name}"] = hasattr(function, "__wrapped__")
+    # A second install (as a re-run would do) finds them in place and wraps nothing twice.
+    missing = _rendezvous.install(lambda message: None, "127.0.0.1", 1)
+    c10d = importlib.import_module("torch.distributed.distributed_c10d")
+    wrapped_twice = hasattr(c10d.rendezvous.__wrapped__, "_nb_dist_hook")
+    found["installed once"] = not missing and not wrapped_twice
+    return found
+
+
+def test_every_hook_is_installed_in_a_rank_on_this_torch():
+    found = notebook_launcher(_hooks_in_this_rank, num_processes=1)[0]
+    off = [name for name, hooked in found.items() if not hooked]
+    assert not off, (
+        f"torch {torch.__version__} lacks what nb_dist hooks ({off}): find the renamed "
+        "function in torch/distributed and teach nb_dist/_rendezvous.py both names."
+    )
+
+
+def test_a_torch_without_the_store_factory_gets_no_hook_and_no_error():
+    module = types.SimpleNamespace()
+    assert _rendezvous._wrap_store_factory(module, "127.0.0.1", 29500) is False
+    assert vars(module) == {}
+
+
+@pytest.mark.parametrize("present", ["rendezvous", "_update_default_pg"])
+def test_a_torch_with_half_of_the_rendezvous_functions_gets_neither_hook(present):
+    def original(*args, **kwargs):
+        return args
+
+    c10d = types.SimpleNamespace(**{present: original})
+    assert _rendezvous._wrap_rendezvous(c10d, lambda message: None) is False
+    assert getattr(c10d, present) is original  # nothing half-installed
