@@ -34,12 +34,15 @@ def kept() -> int:
     return len(_kept)
 
 
-def install() -> list[str]:
-    """Keep every process group this rank creates; the hooks this torch lacks (names)."""
-    try:
-        c10d = importlib.import_module("torch.distributed.distributed_c10d")
-    except ImportError:  # pragma: no cover - torch without distributed support
-        return []
+def install(c10d: Any = None) -> list[str]:
+    """Keep every process group this rank creates; the hooks this torch lacks (names).
+
+    ``c10d`` is ``torch.distributed.distributed_c10d`` unless given (tests give a stand-in)."""
+    if c10d is None:
+        try:
+            c10d = importlib.import_module("torch.distributed.distributed_c10d")
+        except ImportError:  # pragma: no cover - torch without distributed support
+            return []
     missing = []
     for name in HOOKED:
         original = getattr(c10d, name, None)

@@ -1,4 +1,5 @@
-"""Canaries for the torch private functions nb_dist hooks in a rank (``_rendezvous.HOOKED``).
+"""Canaries for the torch private functions nb_dist hooks in a rank (``HOOKED`` in
+``_rendezvous`` and ``_groups``).
 
 Each is looked up by name, so a torch release that renames one switches its feature off
 without an error: these tests fail loudly on such a release instead. The degrade tests show
@@ -12,8 +13,9 @@ import types
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from nb_dist import _rendezvous, notebook_launcher
+from nb_dist import _groups, _rendezvous, notebook_launcher
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -25,11 +27,17 @@ def _hooks_in_this_rank() -> dict[str, bool]:
         for name in names:
             function = getattr(module, name, None)
             found[f"{module_name}.{name}"] = hasattr(function, "__wrapped__")
+    c10d = importlib.import_module("torch.distributed.distributed_c10d")
+    for name in _groups.HOOKED:
+        found[f"kept: {name}"] = getattr(getattr(c10d, name, None), "_nb_dist_keeps", False)
+    dist.init_process_group("gloo")
+    found["the default group is kept"] = _groups.kept() > 0
     # A second install (as a re-run would do) finds them in place and wraps nothing twice.
     missing = _rendezvous.install(lambda message: None, "127.0.0.1", 1)
-    c10d = importlib.import_module("torch.distributed.distributed_c10d")
     wrapped_twice = hasattr(c10d.rendezvous.__wrapped__, "_nb_dist_hook")
-    found["installed once"] = not missing and not wrapped_twice
+    kept_twice = hasattr(c10d._update_default_pg.__wrapped__, "_nb_dist_keeps")
+    found["installed once"] = not missing and not _groups.install()
+    found["installed once"] &= not wrapped_twice and not kept_twice
     return found
 
 
@@ -38,7 +46,7 @@ def test_every_hook_is_installed_in_a_rank_on_this_torch():
     off = [name for name, hooked in found.items() if not hooked]
     assert not off, (
         f"torch {torch.__version__} lacks what nb_dist hooks ({off}): find the renamed "
-        "function in torch/distributed and teach nb_dist/_rendezvous.py both names."
+        "function in torch/distributed and teach nb_dist/_rendezvous.py or _groups.py both names."
     )
 
 
@@ -56,3 +64,16 @@ def test_a_torch_with_half_of_the_rendezvous_functions_gets_neither_hook(present
     c10d = types.SimpleNamespace(**{present: original})
     assert _rendezvous._wrap_rendezvous(c10d, lambda message: None) is False
     assert getattr(c10d, present) is original  # nothing half-installed
+
+
+def test_a_torch_without_the_group_factories_keeps_nothing_and_says_so():
+    def update(pg):
+        return None
+
+    c10d = types.SimpleNamespace(_update_default_pg=update)
+    missing = _groups.install(c10d)
+    assert missing == ["torch.distributed.distributed_c10d._new_process_group_helper"]
+    before = _groups.kept()
+    group = object()
+    c10d._update_default_pg(group)  # the one it has is still wrapped
+    assert _groups.kept() == before + 1
