@@ -20,6 +20,18 @@ from typing import Any
 from ._plan import LaunchPlan
 from ._tracebacks import ipython_shell
 
+# Every rank reaches the end before any tears its group down; then it leaves at once, as
+# nb_dist's ranks do: torch's gloo can abort a rank while the interpreter shuts down, after
+# all the work is done ("terminate called without an active exception").
+_END = """
+dist.barrier()
+dist.destroy_process_group()
+# Leave at once: torch's gloo can abort a rank in the interpreter's shutdown.
+import os, sys  # noqa: E401
+sys.stdout.flush()
+os._exit(0)
+"""
+
 _HEADER = '''\
 """Exported from an nb_dist live-ranks session ({nprocs} ranks).
 
@@ -111,8 +123,7 @@ class History:
 
     def script(self, plan: LaunchPlan, name: str) -> str:
         head = _HEADER.format(nprocs=plan.nprocs, backend=plan.backend, name=name)
-        # Every rank reaches the end before any tears its group down.
-        end = "\ndist.barrier()\ndist.destroy_process_group()\n"
+        end = _END
         return head + self._definitions() + "\n" + "\n".join(self.steps) + end
 
     def _definitions(self) -> str:
