@@ -9,6 +9,7 @@ deterministic text summary; a Jupyter kernel also gets the widget (or a PNG of t
 from __future__ import annotations
 
 import io
+import math
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from traitlets import HasTraits, Int, TraitError, link
@@ -16,7 +17,7 @@ from traitlets import HasTraits, Int, TraitError, link
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-    from ipywidgets import DOMWidget, VBox
+    from ipywidgets import HTML, DOMWidget, VBox
     from matplotlib.figure import Figure
     from traitlets.utils.bunch import Bunch
 
@@ -108,6 +109,8 @@ class _WidgetView(_View):
     _css_class: ClassVar[str] = "nb-dist-view"
     #: Classes the container gets before ``_css_class`` (the monitor is not a teaching view).
     _container_classes: ClassVar[tuple[str, ...]] = ("nb-dist-view",)
+    #: The widget's HTML body, for views that have one (see :meth:`_html_output`).
+    _html: HTML
 
     def __init__(self, **settings: Any) -> None:
         self._widget: VBox | None = None  # first: setting a trait may already refresh
@@ -132,6 +135,19 @@ class _WidgetView(_View):
 
     def _build_widget(self) -> VBox:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def _html_view(self) -> str:  # pragma: no cover - abstract
+        """The HTML body's value (views with one build it from ``_html.py``'s pieces)."""
+        raise NotImplementedError
+
+    def _html_output(self) -> HTML:
+        """The widget's HTML body, kept as ``self._html``: ``_html_view()`` with the CSS class
+        ``<css class>-output``. The view sets ``self._html.value`` again when it changes."""
+        import ipywidgets as w
+
+        self._html = w.HTML(value=self._html_view())
+        self._html.add_class(f"{self._css_class}-output")
+        return self._html
 
     def _add_control(self, name: str, control: DOMWidget) -> DOMWidget:
         """Register ``control`` under ``name`` with stable CSS classes for browser tests."""
@@ -190,6 +206,13 @@ def _new_figure(width: float, height: float) -> Figure:
     fig = Figure(figsize=(width, height), layout="constrained")
     FigureCanvasAgg(fig)
     return fig
+
+
+def _g(x: float, digits: int = 5) -> str:
+    """Stable short number formatting: ``65504``, ``3.4028e+38``, ``inf``, ``nan``."""
+    if isinstance(x, float) and math.isnan(x):
+        return "nan"
+    return f"{x:.{digits}g}"
 
 
 def _short_list(items: list[str], limit: int = 24) -> str:

@@ -30,13 +30,14 @@ from typing import TYPE_CHECKING, Any
 from traitlets import CBool, Unicode, observe, validate
 
 from ._display import SettingValueError, StrictInt, _new_figure, _WidgetView, figure_png
+from ._html import MONOSPACE, escape, filled, rank_row, table
+from .colors import rank_color
 
 if TYPE_CHECKING:
     from ipywidgets import VBox
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
     from traitlets.utils.bunch import Bunch
-from .colors import rank_color, text_color_on
 
 __all__ = ["AllReduceStepper", "RingStep", "chunk_bounds", "ring_allreduce_steps"]
 
@@ -523,20 +524,17 @@ class AllReduceStepper(_WidgetView):
         ring = self._link_control("ring", w.Checkbox(description="ring diagram"))
         nxt.on_click(lambda _b: self.next())
         reset.on_click(lambda _b: self.reset())
-        self._html = w.HTML(value=self._html_view())
-        self._html.add_class(f"{self._css_class}-output")
+        html_body = self._html_output()
         self._image = w.Image(  # at its own size, not stretched to the VBox's width
             format="png", layout=w.Layout(display="none", align_self="flex-start", max_width="100%")
         )
         self._image.add_class(f"{self._css_class}-figure")
         return w.VBox(
-            [w.HBox([play, slider, nxt, reset]), w.HBox([op, ring]), self._html, self._image]
+            [w.HBox([play, slider, nxt, reset]), w.HBox([op, ring]), html_body, self._image]
         )
 
     def _html_view(self) -> str:
         """A table: one row per rank, one cell per chunk, sends highlighted."""
-        import html
-
         n = self.world_size
         bounds = chunk_bounds(len(self.initial[0]), n)
         buffers = self.buffers()
@@ -550,10 +548,9 @@ class AllReduceStepper(_WidgetView):
                 who = contributors[rank][c]
                 border = "3px solid #000" if (rank, c) in sending else "1px solid #999"
                 arrow = f" &rarr; r{sending[(rank, c)]}" if (rank, c) in sending else ""
-                label = html.escape(_chunk_label(buffers[rank][a:b], limit=6))
+                label = escape(_chunk_label(buffers[rank][a:b], limit=6))
                 if len(who) == 1:  # still only this rank's own data: its colour
-                    color = rank_color(who[0])
-                    fill = f"background:{color};color:{text_color_on(color)}"
+                    fill = filled(rank_color(who[0]))
                 else:  # a partial or complete sum: one stripe per contributing rank
                     stops = ",".join(
                         f"{rank_color(r)} {100 * k / len(who):.1f}% {100 * (k + 1) / len(who):.1f}%"
@@ -570,17 +567,16 @@ class AllReduceStepper(_WidgetView):
                     f'padding:2px 6px;{fill}">[{label}]<br><small>{sums}{arrow}</small></td>'
                 )
             rows.append(
-                f'<tr class="nb-dist-rank-row" data-rank="{rank}"><th style="color:'
+                f'<tr {rank_row(rank)}><th style="color:'
                 f'{_ink(rank_color(rank))}">rank {rank}</th>{"".join(cells)}</tr>'
             )
-        header = "".join(f"<th>chunk {c}</th>" for c in range(n))
+        head = ["", *(f"chunk {c}" for c in range(n))]
+        spaced = " style='border-collapse:separate;border-spacing:3px'"
         sent = self.bytes_sent(self.step)
         return (
-            f"<div style='font-family:monospace;font-size:12px'><b>"
-            f"{html.escape(self._step_title(self.step))}</b>"
-            f"<table style='border-collapse:separate;border-spacing:3px'><tr><th></th>{header}</tr>"
-            + "".join(rows)
-            + "</table>bytes sent so far: "
+            f"<div style='{MONOSPACE}'><b>{escape(self._step_title(self.step))}</b>"
+            + table(head, rows, spaced)
+            + "bytes sent so far: "
             + ", ".join(f"rank {r}: {b}" for r, b in enumerate(sent))
             + f" (ring total per rank ~ {self.ring_bytes_formula():g} B, naive "
             f"{self.naive_bytes()} B)</div>"
