@@ -1,6 +1,6 @@
 """Collective counter overhead: what counting every torch.distributed collective costs.
 
-``nb_dist/_collectives.py`` wraps each Python-level collective so that a hang report can say
+``nb_dist/_shared/_collectives.py`` wraps each Python-level collective so that a hang report can say
 which collective each rank waits in and how many each rank entered. Two measurements:
 
 - **per call**: in a world of 1 (gloo, one forked process), ``dist.all_reduce`` of a 1-element
@@ -71,7 +71,7 @@ def micro(p: dict[str, Any], path: str, port: int, queue: Any) -> None:
     import torch
     import torch.distributed as dist
 
-    from nb_dist import _collectives
+    from nb_dist._shared import _collectives
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
@@ -118,7 +118,7 @@ def rank_main(rank: int, p: dict[str, Any], path: str, port: int, queue: Any) ->
     import torch
     import torch.distributed as dist
 
-    from nb_dist import _collectives
+    from nb_dist._shared import _collectives
 
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -209,7 +209,7 @@ def _run(targets: list[tuple[Any, tuple[Any, ...]]], queue: Any) -> list[dict[st
 
 
 def measure(p: dict[str, Any]) -> dict[str, Any]:
-    from nb_dist import _collectives
+    from nb_dist._shared import _collectives
 
     queue = multiprocessing.get_context("fork").Queue()
     paths = [_collectives.create(_folder(), rank) for rank in range(RANKS)]

@@ -5,8 +5,9 @@ The launched function is a small but real DDP training cell on 2 ranks (gloo):
 on a fixed batch, ``del`` of the model, ``destroy_process_group``. ``DistributedDataParallel``
 imports ``torch._dynamo`` (hundreds of modules) the first time it runs in a process; a forked
 worker that does not inherit it from the launching process imports it again, on every launch.
-nb_dist's warm imports (``nb_dist/_warm.py``) import in the launching process, in a background
-thread after a fork launch, what the workers had to import, so the next launch inherits it.
+nb_dist's warm imports (``nb_dist/_kernel/_warm.py``) import in the launching process, in a
+background thread after a fork launch, what the workers had to import, so the next launch
+inherits it.
 
 Configurations, each run in a fresh interpreter (so every "1st launch" is a real first one):
 
@@ -14,7 +15,7 @@ Configurations, each run in a fresh interpreter (so every "1st launch" is a real
   imports on), with a 3 s pause before each later launch, as a user re-running a cell would
   (the background import normally finishes in it; what was still left to wait for is recorded);
 - ``nb_dist, back-to-back``: the same without the pause: the 2nd launch waits for the background
-  import (``nb_dist._warm.wait()``) and pays what is left of it;
+  import (``nb_dist._kernel._warm.wait()``) and pays what is left of it;
 - ``nb_dist warm_imports=False``: every launch's workers import ``torch._dynamo`` themselves;
 - ``accelerate``: ``accelerate.notebook_launcher(cell, num_processes=2, use_port=<free>)``;
 - ``pre-imported floor``: ``nb_dist`` with ``warm_imports=False`` after ``import
@@ -34,8 +35,8 @@ import the launcher; and a breakdown of each launch: in every rank, timestamps (
 ``time.monotonic``) at function entry, after ``init_process_group``, after the DDP constructor,
 after the steps and after ``destroy_process_group``, and whether ``torch._dynamo`` was already
 there at entry; in the launching process for nb_dist, the launcher's own wait for a background
-import, the store's creation and the forks (wrappers around ``nb_dist._warm.wait``,
-``nb_dist._ports.open_store`` and ``Supervisor._start_all``, microseconds each).
+import, the store's creation and the forks (wrappers around ``nb_dist._kernel._warm.wait``,
+``nb_dist._kernel._ports.open_store`` and ``Supervisor._start_all``, microseconds each).
 
 A launch that takes longer than ``HANG_LIMIT`` is killed and counted as hung, not timed. The
 machine this was written on has 2 cores and other work on it: compare rows of one run.
@@ -164,9 +165,9 @@ class _Probe:
         self.events: list[tuple[str, float, float]] = []
 
     def install(self) -> None:
-        from nb_dist import _ports as ports
-        from nb_dist import _warm
-        from nb_dist._supervisor import Supervisor
+        from nb_dist._kernel import _ports as ports
+        from nb_dist._kernel import _warm
+        from nb_dist._kernel._supervisor import Supervisor
 
         def wrap(owner: Any, attr: str, label: str) -> None:
             original = getattr(owner, attr)
@@ -294,7 +295,7 @@ def run_config(name: str, launches: int = LAUNCHES, pause: float = PAUSE_S) -> d
         if index and config["pause"]:
             time.sleep(pause)
             if config["launcher"] == "nb_dist":
-                from nb_dist import _warm
+                from nb_dist._kernel import _warm
 
                 # What the background import still had left after the pause (0: it was done).
                 waited_after_pause.append(_warm.wait())
@@ -302,7 +303,7 @@ def run_config(name: str, launches: int = LAUNCHES, pause: float = PAUSE_S) -> d
             mem["after_first"] = memory()
         records.append(launch_once(config, probe))
     if config["launcher"] == "nb_dist":
-        from nb_dist import _warm
+        from nb_dist._kernel import _warm
 
         out["final_wait_s"] = _warm.wait()
         out["warm_imported"] = _warm.imported()

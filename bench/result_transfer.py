@@ -10,9 +10,9 @@ size, in interleaved rounds:
 - ``result path``: from ``time.monotonic()`` in rank 0 just before ``return`` to the moment the
   launcher returns in the kernel (same clock: CLOCK_MONOTONIC is system-wide on Linux). Its
   breakdown comes from two timing shims installed for the measurement, both calling the real
-  code unchanged: around ``nb_dist._worker.dumps_result`` (serialise in the worker; it prints
+  code unchanged: around ``nb_dist._rank._oneshot.dumps_result`` (serialise in the worker; it prints
   its timestamps to the rank's stderr, read back from ``result.logs``) and around the
-  ``pickle.loads`` that ``nb_dist._supervisor`` calls (unpickle in the kernel). So: worker
+  ``pickle.loads`` that ``nb_dist._kernel._supervisor`` calls (unpickle in the kernel). So: worker
   teardown (stamp -> pickling starts), serialise, pipe transfer (pickling done -> the kernel
   holds all bytes), unpickle, and the launcher's end (reaping, closing pipes);
 - ``floor``: the same bytes through a plain ``os.pipe`` between two processes: a forked child
@@ -113,7 +113,7 @@ def make_state(mib: int, send: bool) -> tuple[float, dict | None] | None:
 
 # --------------------------------------------------------------------------- timing shims
 class _TimedPickle:
-    """Stands in for the ``pickle`` module inside nb_dist._supervisor: times large loads."""
+    """Stands in for the ``pickle`` module inside nb_dist._kernel._supervisor: times large loads."""
 
     def __init__(self, real: Any) -> None:
         self._real = real
@@ -134,8 +134,8 @@ class _TimedPickle:
 @contextlib.contextmanager
 def timing_shims() -> Any:
     """Wrap nb_dist's serialise (worker) and unpickle (kernel) steps with timestamps."""
-    import nb_dist._supervisor as supervisor
-    import nb_dist._worker as worker
+    import nb_dist._kernel._supervisor as supervisor
+    import nb_dist._rank._oneshot as worker
 
     original_dumps = worker.dumps_result
     original_pickle = supervisor.pickle

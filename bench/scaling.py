@@ -42,7 +42,7 @@ from _common import RESULTS, publish, stats
 from _ddp_loop import train
 
 import nb_dist
-from nb_dist._preflight import probe_cuda
+from nb_dist._kernel._preflight import probe_cuda
 
 NAME = "scaling"
 SIZES = (256, 1024, 1024, 10)

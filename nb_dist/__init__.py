@@ -7,10 +7,10 @@ returns each rank's value, and tears everything down on failure, hang or interru
 
 from __future__ import annotations
 
+import logging as _logging
 import os as _os
 
-from ._debug import breakpoint
-from ._errors import (
+from ._kernel._errors import (
     LaunchError,
     LaunchTimeoutError,
     RankOutcome,
@@ -18,12 +18,15 @@ from ._errors import (
     UnsafeLaunchError,
     WorkerFailedError,
 )
-from ._launcher import notebook_launcher
-from ._magic import load_ipython_extension
-from ._precision import autocast, autocast_dtype, mixed_precision, needs_grad_scaler
-from ._preflight import install_cuda_touch_recorder as _install_cuda_touch_recorder
-from ._ranks import Ranks, SessionError, per_rank
-from ._reporting import (
+from ._kernel._launcher import notebook_launcher
+from ._kernel._preflight import install_cuda_touch_recorder as _install_cuda_touch_recorder
+from ._kernel._result import LaunchResult
+from ._live._magic import load_ipython_extension
+from ._live._per_rank import per_rank
+from ._live._ranks import Ranks, SessionError
+from ._rank._debug import breakpoint
+from ._shared._precision import autocast, autocast_dtype, mixed_precision, needs_grad_scaler
+from ._shared._reporting import (
     ReportEntry,
     Reports,
     is_main_process,
@@ -35,7 +38,6 @@ from ._reporting import (
     report,
     world_size,
 )
-from ._result import LaunchResult
 from .views import (
     AllReduceStepper,
     GradientView,
@@ -47,6 +49,18 @@ from .views import (
 )
 
 __version__ = "0.1.0"
+
+# The errors say they are nb_dist's (``nb_dist.UnsafeLaunchError`` in a rank's failure, a
+# traceback, a repr), not the private module that defines them: the layout may move, the
+# name a user catches and reads stays.
+for _error in (
+    LaunchError,
+    LaunchTimeoutError,
+    RendezvousTimeoutError,
+    UnsafeLaunchError,
+    WorkerFailedError,
+):
+    _error.__module__ = __name__
 
 __all__ = [
     "AllReduceStepper",
@@ -83,6 +97,9 @@ __all__ = [
     "report",
     "world_size",
 ]
+
+# What users need not see goes to the "nb_dist" logger; silent unless they configure logging.
+_logging.getLogger(__name__).addHandler(_logging.NullHandler())
 
 # Let torch.cuda.is_available() ask NVML instead of initializing CUDA, so that checking for a
 # GPU in a cell does not poison later forks (honoured only where the user has not set it).

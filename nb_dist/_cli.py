@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from . import __version__
-from ._errors import LaunchError, UnsafeLaunchError
+from ._kernel._errors import LaunchError, UnsafeLaunchError
 
 
 def _parser(prog: str) -> argparse.ArgumentParser:

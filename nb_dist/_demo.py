@@ -21,7 +21,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ._launcher import notebook_launcher
+from ._kernel._launcher import notebook_launcher
 
 NUM_FEATURES = 8
 NUM_CLASSES = 4
@@ -89,7 +89,7 @@ def train(epochs: int = 3, seed: int = 0, fail_rank: int | None = None) -> dict[
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from ._precision import mixed_precision
+    from ._shared._precision import mixed_precision
 
     dist.init_process_group("gloo")  # env:// : the launcher set RANK, WORLD_SIZE, MASTER_*
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -160,7 +160,7 @@ def _train_epoch(
     model: Any, loader: Any, optimizer: Any, loss_fn: Any, rank: int, epoch: int, fail: bool
 ) -> tuple[float, int]:
     """One pass over this rank's shard: ``(summed loss, samples)``; ``fail`` raises at step 3."""
-    from ._precision import autocast
+    from ._shared._precision import autocast
 
     model.train()
     total, count = 0.0, 0
@@ -182,7 +182,7 @@ def _train_epoch(
 def _accuracy(model: Any, x: Any, y: Any) -> float:
     import torch
 
-    from ._precision import autocast
+    from ._shared._precision import autocast
 
     model.eval()
     with torch.no_grad(), autocast("cpu"):

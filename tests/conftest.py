@@ -1,13 +1,19 @@
-"""Shared fixtures: every test that launches must leave no process of its launch behind."""
+"""Shared fixtures: every test that launches must leave no process of its launch behind, and
+every Jupyter kernel a test starts (``kernels``, ``module_kernels``) is shut down and must
+leave nothing behind either."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import psutil
 import pytest
+from kernel_helpers import RunningKernel, start_kernel
+from process_helpers import assert_all_gone
 
 # The must-fail notebook is run on purpose by test_notebook_harness.py, never collected here.
 collect_ignore = ["broken_notebooks"]
@@ -55,3 +61,64 @@ def no_leftover_processes():
         with contextlib.suppress(psutil.Error):
             psutil.Process(pid).kill()
     pytest.fail(f"processes left behind by this test: {left}")
+
+
+# ----------------------------------------------------------------------------- Jupyter kernels
+class KernelFactory:
+    """Starts real kernels (ipykernel, driven with jupyter_client) for one test or one module.
+
+    ``factory(workdir=None, env=None)`` starts one and returns its :class:`RunningKernel`
+    (``km, kc = factory()``): the first in the fixture's folder, any further one in a folder
+    of its own. At the end every kernel still up is shut down, and the kernel and every
+    process it had started (workers, live ranks, their helpers) must be gone: killing the
+    kernel takes its workers along, or the test fails.
+    """
+
+    def __init__(self, folder: Path) -> None:
+        self._folder = folder
+        self._started: list[RunningKernel] = []
+
+    def __call__(
+        self, workdir: Path | None = None, env: dict[str, str] | None = None
+    ) -> RunningKernel:
+        if workdir is None:
+            n = len(self._started)
+            workdir = self._folder if n == 0 else self._folder / f"kernel-{n + 1}"
+        km, kc = start_kernel(workdir, env)
+        kernel = RunningKernel(km, kc)
+        self._started.append(kernel)
+        return kernel
+
+    def close(self) -> None:
+        left: list[int] = []
+        errors: list[Exception] = []
+        for kernel in self._started:
+            try:
+                left += kernel.stop()
+            except Exception as exc:  # stop the others all the same
+                errors.append(exc)
+        assert_all_gone(left)
+        if errors:
+            raise errors[0]
+
+
+def _kernel_factory(folder: Path) -> Iterator[Callable[..., RunningKernel]]:
+    factory = KernelFactory(folder)
+    try:
+        yield factory
+    finally:
+        factory.close()
+
+
+@pytest.fixture
+def kernels(tmp_path: Path) -> Iterator[Callable[..., RunningKernel]]:
+    """Start kernels for this test (the first one in ``tmp_path``); see :class:`KernelFactory`."""
+    yield from _kernel_factory(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def module_kernels(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[Callable[..., RunningKernel]]:
+    """Start kernels shared by a module's tests; see :class:`KernelFactory`."""
+    yield from _kernel_factory(tmp_path_factory.mktemp(request.module.__name__))

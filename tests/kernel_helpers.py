@@ -10,12 +10,14 @@ import socket
 import sys
 import textwrap
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from jupyter_client import BlockingKernelClient, KernelManager
 from jupyter_client.kernelspec import KernelSpecManager
+from process_helpers import alive_descendants
 
 KERNEL_NAME = "nb-dist-test"
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -75,6 +77,45 @@ def kernel_pid(km: KernelManager) -> int:
 def kernel_ports(km: KernelManager) -> dict[str, int]:
     info = km.get_connection_info()
     return {name: int(info[name]) for name in info if name.endswith("_port")}
+
+
+@dataclass
+class RunningKernel:
+    """A kernel started by :func:`start_kernel`: its manager and the client connected to it.
+
+    ``km, kc = kernel`` unpacks it. The ``kernels`` fixtures (conftest.py) stop every kernel
+    they started and check that nothing it started is left.
+    """
+
+    km: KernelManager
+    kc: BlockingKernelClient | None
+    stopped: bool = False
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.km, self.kc))
+
+    def restart(self) -> BlockingKernelClient:
+        """Restart the kernel process (it keeps its ports) and connect a new client."""
+        if self.kc is not None:
+            self.kc.stop_channels()
+            self.kc = None
+        self.km.restart_kernel(now=True)
+        self.kc = connect(self.km)
+        return self.kc
+
+    def stop(self, now: bool = True) -> list[int]:
+        """Shut the kernel down (``now=False``: a shutdown request, as a frontend's "Shut down
+        kernel" sends) and return the pids of the kernel and of every process below it that
+        were alive just before. A second call does nothing and returns ``[]``."""
+        if self.stopped:
+            return []
+        self.stopped = True
+        process = getattr(self.km.provisioner, "process", None)
+        pids = alive_descendants(process.pid) if process is not None else []
+        if self.kc is not None:
+            self.kc.stop_channels()
+        self.km.shutdown_kernel(now=now)
+        return pids
 
 
 @dataclass
@@ -203,6 +244,31 @@ def _await_reply(kc: BlockingKernelClient, run: Execution, deadline: float, time
             continue
         if reply["parent_header"].get("msg_id") == run.msg_id:
             run.reply = reply
+
+
+def wait_for(
+    kc: BlockingKernelClient,
+    run: Execution,
+    seen: Callable[[Message], bool],
+    timeout: float = 60,
+) -> Message:
+    """Read iopub (recording into ``run``, as :func:`collect` does) until a message of this
+    request for which ``seen`` is true has arrived, and return it: a handshake with the cell
+    while it still runs. Fails if the cell goes idle first or nothing comes within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for msg in run.mine:
+            if seen(msg):
+                return msg
+        if run.idle_at is not None:
+            raise AssertionError(f"the cell ended before the awaited output:\n{run.code}")
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise AssertionError(f"the awaited output did not come within {timeout} s")
+        try:
+            run.record(_to_message(kc.get_iopub_msg(timeout=min(remaining, 0.5))))
+        except queue.Empty:
+            continue
 
 
 def execute(

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from kernel_helpers import execute, start_kernel, stop_kernel
+from kernel_helpers import execute
 
 from nb_dist import UnsafeLaunchError, WorkerFailedError, notebook_launcher
 
@@ -121,23 +121,20 @@ def test_record_decorator_works_in_a_worker():
 
 @pytest.mark.kernel
 @pytest.mark.timeout(120)
-def test_a_cell_ending_with_an_accelerate_style_launch_shows_nothing(tmp_path):
+def test_a_cell_ending_with_an_accelerate_style_launch_shows_nothing(kernels):
     """Every rank returned None (as Accelerate's launcher does): no Out[n]; values still show."""
-    km, kc = start_kernel(tmp_path)
-    try:
-        execute(
-            kc,
-            "from nb_dist import notebook_launcher\n"
-            "def train():\n    print('trained')\n"
-            "def value():\n    return 7",
-            timeout=60,
-        ).expect_ok()
-        silent = execute(kc, "notebook_launcher(train, num_processes=2)").expect_ok()
-        assert silent.result_text is None
-        assert silent.stdout().count("trained") == 2
-        kept = execute(kc, "r = notebook_launcher(train, num_processes=2); r, len(r)").expect_ok()
-        assert kept.result_text == "(LaunchResult([None, None]), 2)"
-        shown = execute(kc, "notebook_launcher(value, num_processes=2)").expect_ok()
-        assert shown.result_text == "LaunchResult([7, 7])"
-    finally:
-        stop_kernel(km, kc)
+    _, kc = kernels()
+    execute(
+        kc,
+        "from nb_dist import notebook_launcher\n"
+        "def train():\n    print('trained')\n"
+        "def value():\n    return 7",
+        timeout=60,
+    ).expect_ok()
+    silent = execute(kc, "notebook_launcher(train, num_processes=2)").expect_ok()
+    assert silent.result_text is None
+    assert silent.stdout().count("trained") == 2
+    kept = execute(kc, "r = notebook_launcher(train, num_processes=2); r, len(r)").expect_ok()
+    assert kept.result_text == "(LaunchResult([None, None]), 2)"
+    shown = execute(kc, "notebook_launcher(value, num_processes=2)").expect_ok()
+    assert shown.result_text == "LaunchResult([7, 7])"

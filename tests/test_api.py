@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
 import pkgutil
+
+import pytest
 
 import nb_dist
 import nb_dist.views
@@ -44,11 +47,75 @@ PUBLIC = [
 ]
 
 
+# The names nb_dist.views exports (the teaching widgets, their models and helpers).
+PUBLIC_VIEWS = [
+    "AllReduceStepper",
+    "ConsumedView",
+    "FinfoRow",
+    "GradientView",
+    "LossScaleView",
+    "PrecisionExplorer",
+    "Representation",
+    "RingStep",
+    "ShardExplorer",
+    "chunk_bounds",
+    "consumed_view",
+    "finfo_table",
+    "rank_color",
+    "rank_colors",
+    "represent",
+    "ring_allreduce_steps",
+    "sampler_assignments",
+    "scaler_step",
+]
+
+
+def _defined_where_it_says(obj) -> bool:
+    """``obj.__module__`` and ``obj.__qualname__`` lead back to ``obj``: what help(), pydoc,
+    pickle and a traceback name it by is a real, importable path to this very object."""
+    module = importlib.import_module(obj.__module__)
+    found = module
+    for part in obj.__qualname__.split("."):
+        found = getattr(found, part, None)
+    return found is obj
+
+
 def test_all_is_pinned():
     """Adding or removing a public name is a decision: change this list with it."""
     assert nb_dist.__all__ == PUBLIC
-    for name in PUBLIC:
-        assert getattr(nb_dist, name) is not None, name
+    assert nb_dist.views.__all__ == PUBLIC_VIEWS
+
+
+@pytest.mark.parametrize(
+    ("package", "names"),
+    [(nb_dist, PUBLIC), (nb_dist.views, PUBLIC_VIEWS)],
+    ids=["nb_dist", "views"],
+)
+def test_every_public_name_is_nb_dists_own_documented_object(package, names):
+    """Each exported name is bound, is an object nb_dist defines (not a re-export of torch's or
+    a stray module), under its own name, found again at the path it names, and documented."""
+    for name in names:
+        assert hasattr(package, name), f"{package.__name__}.{name} is exported but not defined"
+        obj = getattr(package, name)
+        assert obj.__module__.split(".")[0] == "nb_dist", (name, obj.__module__)
+        assert obj.__name__ == name, f"{name} is exported under another name: {obj.__name__}"
+        assert _defined_where_it_says(obj), f"{obj.__module__}.{obj.__qualname__} is not {name}"
+        assert (obj.__doc__ or "").strip(), f"{package.__name__}.{name} has no docstring"
+
+
+def test_the_views_the_package_exports_are_the_views_module_objects():
+    shared = set(PUBLIC) & set(PUBLIC_VIEWS)
+    assert shared == {
+        "AllReduceStepper",
+        "GradientView",
+        "LossScaleView",
+        "PrecisionExplorer",
+        "ShardExplorer",
+        "consumed_view",
+        "rank_color",
+    }
+    for name in shared:
+        assert getattr(nb_dist, name) is getattr(nb_dist.views, name), name
 
 
 def test_modules_that_are_not_api_are_private_by_name():

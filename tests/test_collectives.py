@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from nb_dist import _collectives
+from nb_dist._shared import _collectives
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -25,7 +25,7 @@ WORLD_OF_ONE = """
 import json, os, sys
 import torch
 import torch.distributed as dist
-from nb_dist import _collectives as c
+from nb_dist._shared import _collectives as c
 
 path, store_file = sys.argv[1], sys.argv[2]
 c.install(path)
@@ -65,7 +65,7 @@ TWO_RANKS = """
 import json, sys, time
 import torch
 import torch.distributed as dist
-from nb_dist import _collectives as c
+from nb_dist._shared import _collectives as c
 
 rank, mine, other = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 c.install(mine)

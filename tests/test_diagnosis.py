@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from nb_dist import LaunchTimeoutError, notebook_launcher
-from nb_dist._collectives import CollectiveState
-from nb_dist._diagnosis import (
+from nb_dist._kernel._diagnosis import (
     COUNTS_HEAD,
     RendezvousView,
     StuckRank,
@@ -20,6 +19,7 @@ from nb_dist._diagnosis import (
     timeout_hint,
     timeout_report,
 )
+from nb_dist._shared._collectives import CollectiveState
 
 TORCH = "/venv/lib/python3.11/site-packages/torch"
 ALL_REDUCE = [
@@ -258,7 +258,7 @@ def test_a_second_process_group_is_not_timed_from_the_first():
 # ------------------------------------------------------------------ the OpenMP pool
 @pytest.mark.timeout(60)
 def test_release_pool_frees_this_threads_pool():
-    from nb_dist import _openmp
+    from nb_dist._kernel import _openmp
 
     assert _openmp.libgomp_path() is not None  # torch's Linux wheels use GNU OpenMP
     before = torch.get_num_threads()
@@ -278,7 +278,7 @@ def test_release_pool_frees_this_threads_pool():
 
 
 def test_release_can_be_turned_off(monkeypatch):
-    from nb_dist import _openmp
+    from nb_dist._kernel import _openmp
 
     monkeypatch.setenv(_openmp.RELEASE_ENV, "0")
     assert _openmp.release_pool().status == "disabled"

@@ -5,10 +5,12 @@ Every test launches real forked workers; the values they observe come back as re
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -145,6 +147,21 @@ def _expected_env(rank, world_size, port, threads):
     }
 
 
+@contextlib.contextmanager
+def _caller_threads(n: int) -> Iterator[None]:
+    """The calling process computes with ``n`` threads meanwhile (without starting its pool).
+
+    A forked worker would keep the caller's count: with ``n`` unlike the count the launcher
+    must give, a launcher that did not set the workers' threads fails the checks.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _our_temp_entries() -> set[str]:
     markers = ("nb_dist", "torchelastic", "pymp")
     return {n for n in os.listdir(tempfile.gettempdir()) if any(m in n for m in markers)}
@@ -155,8 +172,9 @@ def test_worker_environment_and_default_threads(monkeypatch):
     """Each rank gets torchrun's variables; OMP threads default to cores // workers."""
     monkeypatch.delenv("OMP_NUM_THREADS")
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
-    result = notebook_launcher(_report_env, num_processes=2)
     threads = max(1, _cores() // 2)
+    with _caller_threads(threads + 2):
+        result = notebook_launcher(_report_env, num_processes=2)
     for rank, (env, torch_threads) in enumerate(result):
         assert env == _expected_env(rank, 2, result.port, threads)
         assert torch_threads == threads
@@ -176,18 +194,26 @@ def test_single_worker_gets_all_cores(monkeypatch):
 def test_threads_per_process_overrides(monkeypatch):
     """threads_per_process=1 wins over both the computed default and OMP_NUM_THREADS."""
     monkeypatch.delenv("OMP_NUM_THREADS")
-    (env, torch_threads) = notebook_launcher(_report_env, num_processes=1, threads_per_process=1)[0]
+    with _caller_threads(3):
+        launch = notebook_launcher(_report_env, num_processes=1, threads_per_process=1)
+    (env, torch_threads) = launch[0]
     assert (env["OMP_NUM_THREADS"], torch_threads) == ("1", 1)
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    (env, torch_threads) = notebook_launcher(_report_env, num_processes=1, threads_per_process=1)[0]
+    with _caller_threads(3):
+        launch = notebook_launcher(_report_env, num_processes=1, threads_per_process=1)
+    (env, torch_threads) = launch[0]
     assert (env["OMP_NUM_THREADS"], torch_threads) == ("1", 1)
 
 
 def test_omp_num_threads_of_caller_is_inherited(monkeypatch):
-    """An OMP_NUM_THREADS set by the user reaches the workers unchanged."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    (env, _) = notebook_launcher(_report_env, num_processes=1)[0]
-    assert env["OMP_NUM_THREADS"] == "1"
+    """An OMP_NUM_THREADS set by the user reaches the workers unchanged, and is their thread
+    count. The value is none the launcher would pick itself (more than the cores; not the 1
+    this suite's conftest sets), so only carrying the user's value over passes."""
+    mine = _cores() + 1
+    monkeypatch.setenv("OMP_NUM_THREADS", str(mine))
+    (env, torch_threads) = notebook_launcher(_report_env, num_processes=1)[0]
+    assert env["OMP_NUM_THREADS"] == str(mine)
+    assert torch_threads == mine
 
 
 # ---------------------------------------------------------------- process group

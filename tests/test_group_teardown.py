@@ -1,4 +1,5 @@
-"""A rank never hangs or aborts while its process groups are torn down (``nb_dist/_groups.py``).
+"""A rank never hangs or aborts while its process groups are torn down
+(``nb_dist/_rank/_groups.py``).
 
 The patterns here killed or hung ranks after the function had returned, at a rate, in a
 process that had imported ``torch._dynamo`` (as a kernel does after its first DDP launch):

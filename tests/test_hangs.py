@@ -12,7 +12,7 @@ kernel call torch.set_num_threads(2) first, as a laptop's kernel has by default.
 from __future__ import annotations
 
 import pytest
-from kernel_helpers import execute, free_port, start_kernel, stop_kernel
+from kernel_helpers import execute, free_port
 
 pytestmark = pytest.mark.kernel
 
@@ -52,13 +52,10 @@ def kernel_compute():
 
 
 @pytest.fixture(scope="module")
-def kernel(tmp_path_factory):
-    km, kc = start_kernel(tmp_path_factory.mktemp("hangs"))
-    try:
-        execute(kc, SETUP, timeout=60).expect_ok()
-        yield km, kc
-    finally:
-        stop_kernel(km, kc)
+def kernel(module_kernels):
+    km, kc = module_kernels()
+    execute(kc, SETUP, timeout=60).expect_ok()
+    return km, kc
 
 
 # ------------------------------------------------------------------ 1. OpenMP and fork

@@ -17,15 +17,13 @@ import psutil
 import pytest
 from kernel_helpers import (
     collect,
-    connect,
     execute,
     free_port,
     kernel_pid,
     kernel_ports,
     line_in,
     send,
-    start_kernel,
-    stop_kernel,
+    wait_for,
     wait_for_files,
 )
 from process_helpers import assert_all_gone
@@ -79,14 +77,11 @@ def _boot(kc) -> None:
 
 
 @pytest.fixture(scope="module")
-def kernel(tmp_path_factory):
+def kernel(module_kernels):
     """One kernel shared by the tests that leave it alive: (KernelManager, client)."""
-    km, kc = start_kernel(tmp_path_factory.mktemp("kernel"))
-    try:
-        _boot(kc)
-        yield km, kc
-    finally:
-        stop_kernel(km, kc)
+    km, kc = module_kernels()
+    _boot(kc)
+    return km, kc
 
 
 # ----------------------------------------------------------------------------- output
@@ -132,28 +127,30 @@ def test_rank_output_lands_in_the_launching_cell(kernel):
     assert third.stdout() == "third cell\n"
 
 
-@pytest.mark.timeout(60)
-def test_print_reaches_the_cell_while_the_function_still_runs(kernel):
-    """A rank's print shows in the cell within 0.9 s, while the cell itself takes > 2 s."""
+@pytest.mark.timeout(90)
+def test_print_reaches_the_cell_while_the_function_still_runs(kernel, tmp_path):
+    """A rank's print shows in the cell while the function still runs: each rank prints, then
+    waits until the test has seen its line in the cell (how fast: bench/output_path.py)."""
     _, kc = kernel
     execute(
         kc,
         """
-        def tick():
+        def tick(folder):
+            rank = int(os.environ["RANK"])
             print("tick")
-            time.sleep(2)
-            return "done"
+            seen, deadline = Path(folder, f"seen{rank}"), time.monotonic() + 60
+            while not seen.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            return "seen" if seen.exists() else "never seen"
         """,
     ).expect_ok()
-    run = execute(kc, "notebook_launcher(tick, num_processes=2)").expect_ok()
-    assert run.result_text == "LaunchResult(['done', 'done'])"
-    ticks = [m for m in run.streams if "[rank 0] tick\n" in m.content["text"]]
-    assert ticks, run.stdout()
-    shown_after = ticks[0].arrived - run.sent_at
-    took = run.idle_at - run.sent_at
-    assert took > 2.0, f"the cell took only {took:.2f} s"
-    # Typically ~0.05 s; 0.9 s also rules out lines held back until the 1 s partial-line flush.
-    assert shown_after < 0.9, f"'[rank 0] tick' arrived {shown_after:.2f} s after the request"
+    run = send(kc, f"notebook_launcher(tick, args=({str(tmp_path)!r},), num_processes=2)")
+    for rank in (0, 1):
+        line = f"[rank {rank}] tick\n"
+        wait_for(kc, run, lambda m, line=line: m.msg_type == "stream" and line in m.content["text"])
+        (tmp_path / f"seen{rank}").touch()
+    collect(kc, run).expect_ok()
+    assert run.result_text == "LaunchResult(['seen', 'seen'])"
 
 
 # ----------------------------------------------------------------------------- failures
@@ -188,7 +185,7 @@ def test_failure_shows_root_cause_with_cell_label(kernel, tmp_path):
     assert "Traceback of rank 1:" in run.error["evalue"]
     assert "The other ranks:" in run.error["evalue"]
     assert len(_pids(tmp_path)) == 2
-    assert_all_gone(_pids(tmp_path), within=0.5)
+    assert_all_gone(_pids(tmp_path), within=0)  # reaped before the cell's error
 
     again = execute(
         kc,
@@ -221,7 +218,8 @@ def test_timeout_stacks_name_the_cell(kernel):
     assert run.error is not None, run.stdout()
     assert run.error["ename"] == "LaunchTimeoutError"
     took = run.idle_at - run.sent_at
-    assert 3.0 <= took < 8.0, f"the timed-out cell took {took:.1f} s"
+    # Not before the timeout; and ended by it (the deadlock alone lasts gloo's 30 min).
+    assert 3.0 <= took < 30, f"the timed-out cell took {took:.1f} s"
     text = run.error_text()
     assert text.startswith("The launch did not finish within timeout=3 s"), text
     cell = f"Cell In[{define.execution_count}]"
@@ -238,8 +236,8 @@ def test_timeout_stacks_name_the_cell(kernel):
 # ----------------------------------------------------------------------------- interrupt
 @pytest.mark.timeout(60)
 def test_interrupt_stops_workers_and_leaves_the_kernel_clean(kernel, tmp_path):
-    """Interrupting the kernel ends the cell with KeyboardInterrupt, kills the workers at once,
-    leaves env and signal handlers as they were, and the next launch works."""
+    """Interrupting the kernel ends the cell with KeyboardInterrupt, the workers stopped and
+    reaped by then, leaves env and signal handlers as they were, and the next launch works."""
     km, kc = kernel
     execute(
         kc,
@@ -255,8 +253,8 @@ def test_interrupt_stops_workers_and_leaves_the_kernel_clean(kernel, tmp_path):
     assert all(psutil.pid_exists(p) for p in pids)
     interrupted_wall = time.time()
     km.interrupt_kernel()
-    assert_all_gone(pids, within=1.0)
-    collect(kc, run, timeout=10, late_window=1.0)
+    collect(kc, run, timeout=45, late_window=1.0)
+    assert_all_gone(pids, within=0)  # reaped before the cell's error
     assert run.error is not None, run.stdout()
     assert run.error["ename"] == "KeyboardInterrupt", run.error_text()
     assert run.error["evalue"] == "the launch was interrupted; all 2 ranks were stopped"
@@ -264,7 +262,8 @@ def test_interrupt_stops_workers_and_leaves_the_kernel_clean(kernel, tmp_path):
     assert "supervisor.py" not in run.error_text() and "selectors" not in run.error_text()
     error_msg = next(m for m in run.mine if m.msg_type == "error")
     ended_after = error_msg.sent_date - interrupted_wall
-    assert ended_after < 3.0, f"the cell ended {ended_after:.2f} s after the interrupt"
+    # Ended by the interrupt: long before the workers' 60 s sleep would have.
+    assert ended_after < 30, f"the cell ended {ended_after:.2f} s after the interrupt"
     assert run.late == []
 
     after = execute(
@@ -286,64 +285,59 @@ def test_interrupt_stops_workers_and_leaves_the_kernel_clean(kernel, tmp_path):
 
 
 # ----------------------------------------------------------------------------- kernel death
-@pytest.mark.timeout(90)
-def test_killed_kernel_takes_its_workers_along(tmp_path):
-    """SIGKILL of the kernel kills its workers within 2 s; they never hold the kernel's ports,
-    so a restarted kernel binds the same ports and launches again."""
-    km, kc = start_kernel(tmp_path / "kernel")
-    try:
-        _boot(kc)
-        run_dir = tmp_path / "run"
-        run_dir.mkdir()
-        send(kc, f"notebook_launcher(pid_and_sleep, args=({str(run_dir)!r},), num_processes=2)")
-        wait_for_files(run_dir, "pid*", 2, within=30)
-        pids = _pids(run_dir)
-        kpid = kernel_pid(km)
-        ports = kernel_ports(km)
+@pytest.mark.timeout(120)
+def test_killed_kernel_takes_its_workers_along(kernels, tmp_path):
+    """SIGKILL of the kernel kills its workers (long before their 60 s sleep ends); they never
+    hold the kernel's ports, so a restarted kernel binds the same ports and launches again."""
+    kernel = kernels(tmp_path / "kernel")
+    km, kc = kernel
+    _boot(kc)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    send(kc, f"notebook_launcher(pid_and_sleep, args=({str(run_dir)!r},), num_processes=2)")
+    wait_for_files(run_dir, "pid*", 2, within=30)
+    pids = _pids(run_dir)
+    kpid = kernel_pid(km)
+    ports = kernel_ports(km)
 
-        def listening(pid: int) -> set[int]:
-            return {
-                c.laddr.port
-                for c in psutil.Process(pid).net_connections(kind="inet")
-                if c.status == psutil.CONN_LISTEN
-            }
+    def listening(pid: int) -> set[int]:
+        return {
+            c.laddr.port
+            for c in psutil.Process(pid).net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN
+        }
 
-        # The kernel listens on its ports (the workers were forked with those sockets) ...
-        assert set(ports.values()) <= listening(kpid), (ports, listening(kpid))
-        # ... and the workers closed their inherited copies.
-        for pid in pids:
-            assert listening(pid) == set(), f"worker {pid} listens on {listening(pid)}"
+    # The kernel listens on its ports (the workers were forked with those sockets) ...
+    assert set(ports.values()) <= listening(kpid), (ports, listening(kpid))
+    # ... and the workers closed their inherited copies.
+    for pid in pids:
+        assert listening(pid) == set(), f"worker {pid} listens on {listening(pid)}"
 
-        os.kill(kpid, signal.SIGKILL)
-        killed_at = time.monotonic()
-        assert_all_gone(pids, within=2.0)
+    os.kill(kpid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    assert_all_gone(pids, within=30)
 
-        # Within 2 s nothing listens on the dead kernel's ports any more (TIME_WAIT leftovers of
-        # its connections are normal TCP and do not stop a new kernel from binding them).
-        deadline = killed_at + 2.0
-        while True:
-            held = {
-                (c.laddr.port, c.pid)
-                for c in psutil.net_connections(kind="inet")
-                if c.status == psutil.CONN_LISTEN and c.laddr.port in set(ports.values())
-            }
-            if not held or time.monotonic() > deadline:
-                break
-            time.sleep(0.02)
-        assert held == set(), f"the dead kernel's ports are still held: {held} of {ports}"
+    # Then nothing listens on the dead kernel's ports any more (TIME_WAIT leftovers of its
+    # connections are normal TCP and do not stop a new kernel from binding them).
+    deadline = killed_at + 30
+    while True:
+        held = {
+            (c.laddr.port, c.pid)
+            for c in psutil.net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port in set(ports.values())
+        }
+        if not held or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
+    assert held == set(), f"the dead kernel's ports are still held: {held} of {ports}"
 
-        kc.stop_channels()
-        kc = None
-        km.restart_kernel(now=True)
-        kc = connect(km)
-        assert kernel_ports(km) == ports  # the restarted kernel reuses the very same ports
-        _boot(kc)
-        again = execute(
-            kc, f"notebook_launcher(sum_ranks, args=({str(run_dir)!r},), num_processes=2)"
-        ).expect_ok()
-        assert again.result_text == "LaunchResult([3.0, 3.0])"
-    finally:
-        stop_kernel(km, kc)
+    kc = kernel.restart()
+    assert kernel_ports(km) == ports  # the restarted kernel reuses the very same ports
+    _boot(kc)
+    again = execute(
+        kc, f"notebook_launcher(sum_ranks, args=({str(run_dir)!r},), num_processes=2)"
+    ).expect_ok()
+    assert again.result_text == "LaunchResult([3.0, 3.0])"
 
 
 # ----------------------------------------------------------------------------- refusals

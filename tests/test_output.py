@@ -15,15 +15,15 @@ import threading
 
 import pytest
 
-import nb_dist
 from nb_dist import notebook_launcher
-from nb_dist._output import LineSplitter
-from nb_dist._tracebacks import (
+from nb_dist._kernel._output import LineSplitter
+from nb_dist._kernel._tracebacks import (
     blocked_place,
     format_frames,
     innermost_user_frame,
     parse_fault_dump,
 )
+from nb_dist._shared._frames import ENTRY_FILE, FUNCTION_CALL
 
 THIS_FILE = os.path.basename(__file__)
 N_LINES = 2000
@@ -240,9 +240,7 @@ def test_line_splitter_invalid_utf8_is_replaced_not_fatal():
 
 # ----------------------------------------------------------------------------- tracebacks
 FAKE_LIB = "/opt/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py"
-NB_DIST_WORKER = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "nb_dist", "_worker.py"
-)
+NB_DIST_WORKER = ENTRY_FILE
 USER_LINE = _line_of("# a stand-in for the user" + "'s code")
 MAIN_IDENT = 0x7F1234567000
 OTHER_IDENT = 0x7F12345ABC00
@@ -350,9 +348,9 @@ def test_innermost_user_frame_skips_library_and_launcher_frames():
 def test_blocked_place_names_a_hang_at_the_return_of_the_function():
     """A stack that ends at the worker's call of the function (no user frame) is a native hang
     while the function's locals are freed; other stacks without user code say so."""
-    worker_file = os.path.join(os.path.dirname(os.path.abspath(nb_dist.__file__)), "_worker.py")
+    call_file, call_name = FUNCTION_CALL
     inherited = [("/usr/lib/python3.11/runpy.py", 88, "_run_code")]
-    at_return = [*inherited, (worker_file, 90, "run_worker"), (worker_file, 117, "_run")]
+    at_return = [*inherited, (ENTRY_FILE, 90, "run_worker"), (call_file, 117, call_name)]
     place = blocked_place(at_return)
     assert place.startswith("the return from the function, in native code"), place
     assert "del the model before destroy_process_group()" in place

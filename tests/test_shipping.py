@@ -2,8 +2,8 @@
 
 cloudpickle 3.1.3 renames every code object it ships ``<dynamic-code>``; a spawned rank's
 traceback, its hang report and ``%debug`` would then lose ``Cell In[N]`` and the source line
-(``nb_dist/_shipping.py``). The kernel tests run once with the installed cloudpickle and once
-more for each other cloudpickle in ``NB_DIST_TEST_CLOUDPICKLE`` (folders made with
+(``nb_dist/_shared/_shipping.py``). The kernel tests run once with the installed cloudpickle
+and once more for each other cloudpickle in ``NB_DIST_TEST_CLOUDPICKLE`` (folders made with
 ``pip install --target``, separated by ``os.pathsep``): ``.ci/run`` puts the declared lower
 bound there, so both sides of the rename are tested on every run.
 """
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import cloudpickle
 import pytest
-from kernel_helpers import execute, execute_answering, line_in, start_kernel, stop_kernel
+from kernel_helpers import execute, execute_answering, line_in
 
-from nb_dist import _shipping
+from nb_dist._shared import _shipping
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -62,7 +62,7 @@ def test_dumps_keeps_every_file_name_in_a_fresh_interpreter(tmp_path):
     check = textwrap.dedent(
         f"""
         import sys, traceback, types
-        from nb_dist import _shipping
+        from nb_dist._shared import _shipping
         nested, model = _shipping.loads(open({str(payload)!r}, "rb").read())
         def codes(code):
             yield code
@@ -155,17 +155,14 @@ def sleeps_on_rank_1():
 
 
 @pytest.fixture(params=VERSIONS)
-def versioned_kernel(request, tmp_path):
+def versioned_kernel(request, kernels):
     folder: Path | None = request.param
     env = {"PYTHONPATH": os.pathsep.join([str(folder), os.environ.get("PYTHONPATH", "")])}
-    km, kc = start_kernel(tmp_path, env if folder is not None else None)
-    try:
-        expected = cloudpickle.__version__ if folder is None else _version_in(folder)
-        seen = execute(kc, "import cloudpickle\ncloudpickle.__version__").expect_ok()
-        assert seen.result_text == repr(expected)
-        yield kc
-    finally:
-        stop_kernel(km, kc)
+    _, kc = kernels(env=env if folder is not None else None)
+    expected = cloudpickle.__version__ if folder is None else _version_in(folder)
+    seen = execute(kc, "import cloudpickle\ncloudpickle.__version__").expect_ok()
+    assert seen.result_text == repr(expected)
+    return kc
 
 
 def _assert_names_the_cell(text: str, cell: str) -> None:

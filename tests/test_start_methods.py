@@ -50,7 +50,8 @@ def test_spawn_runs_module_function_in_fresh_interpreters(capsys):
     assert [(rank, value) for rank, value, _, _ in result] == [(0, 6.0), (1, 6.0)]
     for _, _, pid, argv in result:
         assert pid != os.getpid()
-        assert "from nb_dist._worker import spawn_main; spawn_main()" in argv  # not pytest's argv
+        entry = "from nb_dist._rank._entry import spawn_main; spawn_main()"
+        assert entry in argv  # not pytest's argv
     out = capsys.readouterr().out
     assert "[rank 0] sum is 3" in out and "[rank 1] sum is 3" in out
     assert_all_gone([pid for _, _, pid, _ in result])

@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nb_dist import _groups, _rendezvous, notebook_launcher
+from nb_dist import notebook_launcher
+from nb_dist._rank import _groups, _rendezvous
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -46,7 +47,8 @@ def test_every_hook_is_installed_in_a_rank_on_this_torch():
     off = [name for name, hooked in found.items() if not hooked]
     assert not off, (
         f"torch {torch.__version__} lacks what nb_dist hooks ({off}): find the renamed "
-        "function in torch/distributed and teach nb_dist/_rendezvous.py or _groups.py both names."
+        "function in torch/distributed and teach nb_dist/_rank/_rendezvous.py or _groups.py "
+        "both names."
     )
 
 

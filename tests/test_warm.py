@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-from nb_dist._warm import MAX_NAMES, worth_importing
+from nb_dist._shared._imports import MAX_NAMES, worth_importing
 
 SCRIPT = """
 import json, os, sys

@@ -1,0 +1,470 @@
+"""The launch plan: every argument checked in one documented order, then one frozen plan.
+
+:func:`check_arguments` and :func:`decide` turn ``notebook_launcher``'s arguments into a
+:class:`LaunchPlan` before anything starts, checking in this order (the first problem found
+is the one reported):
+
+1. a launch from inside a launched worker;
+2. each argument on its own, in the order of the signature (types, ranges, choices);
+3. combinations of arguments (multi-node needs a port and no restarts);
+4. the kernel's state: a process group, Accelerate state;
+5. devices: a throw-away child counts GPUs and tells whether CUDA already poisoned fork
+   (this decides ``num_processes=None``), without touching CUDA in the kernel;
+6. threads that fork can give (the kernel's OpenMP pool, see ``_openmp.py``);
+7. for spawn/forkserver, shipping the function by value (cloudpickle).
+
+The plan then says everything an attempt needs: ranks, each rank's environment (a superset
+of torchrun's), backend, threads, timeouts, output modes. Only the rendezvous port (the
+store the kernel opens for each attempt) and the attempt number are added per attempt.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import linecache
+import multiprocessing
+import os
+import socket
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._rank._spec import WorkerSpec
+from .._shared import _shipping
+from .._shared._net import is_loopback
+from .._shared._precision import normalize_mixed_precision
+from . import _openmp, _preflight, _warm
+from ._errors import UnsafeLaunchError
+from ._options import LaunchOptions
+from ._output import DEFAULT_PREFIX, OUTPUT_MODES, RICH_OUTPUT_MODES
+from ._tracebacks import cell_label
+
+# How long the first rank to reach init_process_group waits for the others before the launch
+# is stopped with a report (torch itself would wait for minutes).
+RENDEZVOUS_TIMEOUT = 20.0
+_MULTI_NODE_RENDEZVOUS = 300.0
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Everything a launch will do, decided before anything starts."""
+
+    function: Callable[..., Any]
+    args: tuple[Any, ...]
+    ranks: tuple[int, ...]  # global rank of each local worker
+    world_size: int
+    node_rank: int
+    num_nodes: int
+    master_addr: str
+    port: int | None  # None: the kernel's store picks a free one per attempt
+    rdzv_id: str
+    max_restarts: int
+    start_method: str
+    mixed_precision: str
+    device: str
+    use_gpu: bool
+    threads: int | None
+    init_process_group: bool
+    output: str
+    rich_output: str | frozenset[int]
+    prefix: str
+    timeout: float | None
+    rendezvous_timeout: float | None
+    hang_notice_after: float | None
+    poll_interval: float
+    warm_imports: bool
+    monitor: bool
+    debug: str | None = None  # "postmortem": keep the failing rank for the notebook's pdb
+    session: bool = False  # live ranks (nb_dist.Ranks): workers serve tasks
+    payload: bytes | None = None  # spawn/forkserver: the function and args, by value
+    linecache_entries: dict[str, Any] = field(default_factory=dict)
+    notices: tuple[str, ...] = ()
+
+    @property
+    def nprocs(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.use_gpu else "gloo"
+
+    def worker_spec(self, local_rank: int, env: dict[str, str], close_fds: list[int]) -> WorkerSpec:
+        """What one worker is told: its rank, environment, and the function (or its bytes)."""
+        shipped = self.payload is not None
+        return WorkerSpec(
+            rank=self.ranks[local_rank],
+            local_rank=local_rank,
+            env=env,
+            threads=self.threads,
+            init_process_group=self.init_process_group,
+            backend=self.backend,
+            use_gpu=self.use_gpu,
+            parent_pid=os.getpid(),
+            check_parent=self.start_method != "forkserver",
+            function=None if shipped else self.function,
+            args=() if shipped else self.args,
+            payload=self.payload,
+            linecache_entries=self.linecache_entries,
+            sys_path=list(sys.path) if shipped else [],
+            close_fds=close_fds,
+            report_imports=self.warm_imports,
+            session=self.session,
+            debug=self.debug,
+        )
+
+    def worker_env(
+        self, local_rank: int, port: int, attempt: int, error_file: str
+    ) -> dict[str, str]:
+        """The environment torchrun would give this rank, plus nb_dist's own hand-offs."""
+        rank, mixed = self.ranks[local_rank], self.mixed_precision
+        env = {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(local_rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_WORLD_SIZE": str(self.nprocs),
+            "NODE_RANK": str(self.node_rank),
+            "GROUP_RANK": str(self.node_rank),
+            "GROUP_WORLD_SIZE": str(self.num_nodes),
+            "ROLE_RANK": str(rank),
+            # What torch's elastic_launch (and so accelerate.notebook_launcher) gives.
+            "ROLE_NAME": "default_role",
+            "ROLE_WORLD_SIZE": str(self.world_size),
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(port),
+            # The kernel hosts the store (see ports.py): every rank connects as a client.
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "TORCHELASTIC_RESTART_COUNT": str(attempt),
+            "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts),
+            "TORCHELASTIC_RUN_ID": str(self.rdzv_id),
+            # Where torch's @record writes a failing rank's error (torchrun sets one per rank).
+            "TORCHELASTIC_ERROR_FILE": error_file,
+            "ACCELERATE_MIXED_PRECISION": mixed,
+            "NB_DIST_MIXED_PRECISION": mixed,
+            # accelerate.notebook_launcher's own hand-offs, for code that reads them.
+            "MIXED_PRECISION": mixed,
+            "NPROC": str(self.nprocs),
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        }
+        if self.threads is not None:
+            env["OMP_NUM_THREADS"] = str(self.threads)
+        if is_loopback(self.master_addr) and not os.environ.get("GLOO_SOCKET_IFNAME"):
+            # Gloo otherwise resolves the host name to pick an interface, which fails on
+            # machines without network or with an unresolvable host name.
+            interface = _loopback_interface()
+            if interface:
+                env["GLOO_SOCKET_IFNAME"] = interface
+        if not self.use_gpu:
+            # Accelerate only picks MULTI_CPU (gloo, one process per rank) when told to use
+            # the CPU; without it, Accelerator() in each worker would see a single process.
+            env["ACCELERATE_USE_CPU"] = "true"
+        if self.device == "cpu":
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        return env
+
+
+def decide(plan: LaunchPlan, options: LaunchOptions) -> LaunchPlan:
+    """Steps 3 to 7 on the checked arguments (:func:`check_arguments`): the final plan."""
+    num_processes, threads_per_process = options.num_processes, options.threads_per_process
+    _check_multi_node(plan.num_nodes, plan.port, plan.max_restarts)  # 3. Combinations.
+    _preflight.check_process_group()  # 4. The kernel's state.
+    _preflight.check_accelerate_state()
+    use_gpu, nprocs = _devices(plan.device, num_processes, plan.start_method)  # 5. Devices.
+    method = plan.start_method
+    if method == "fork" and "fork" not in multiprocessing.get_all_start_methods():
+        method = "spawn"  # e.g. Windows: no fork; spawn ships the function with cloudpickle
+    threads, notices = _threads(threads_per_process, nprocs), list(plan.notices)
+    if method == "fork":  # 6. Threads fork can give.
+        threads, notice = _fork_safe_threads(threads, explicit=threads_per_process is not None)
+        notices += [notice] if notice else []
+    warm_notice = _warm.take_notice()
+    # 7. Shipping the function to fresh processes.
+    payload = _pickle_for_spawn(plan.function, plan.args) if method != "fork" else None
+    return dataclasses.replace(
+        plan,
+        ranks=tuple(plan.node_rank * nprocs + local for local in range(nprocs)),
+        world_size=nprocs * plan.num_nodes,
+        start_method=method,
+        use_gpu=use_gpu,
+        threads=threads,
+        warm_imports=method == "fork" and plan.warm_imports and _warm.enabled(True),
+        payload=payload,
+        linecache_entries=_cell_sources() if payload is not None else {},
+        notices=tuple(notices + ([warm_notice] if warm_notice else [])),
+    )
+
+
+def check_arguments(
+    function: Callable[..., Any], args: Sequence[Any], options: LaunchOptions
+) -> LaunchPlan:
+    """Steps 1 and 2: not inside a worker, then each argument on its own, in the order of the
+    signature. A plan whose ranks, devices, threads and payload :func:`decide` decides."""
+    o = options
+    _preflight.check_not_nested()
+    _preflight.check_function(function)
+    call_args = _preflight.check_args(args)
+    if o.num_processes is not None:
+        _preflight.check_positive_int("num_processes", o.num_processes, _NPROCS_HINT)
+    mixed = normalize_mixed_precision(o.mixed_precision)
+    nodes = _preflight.check_positive_int("num_nodes", o.num_nodes, _NODES_HINT)
+    node = _preflight.check_node_rank(o.node_rank, nodes)
+    addr, port = _rendezvous_address(o.rdzv_endpoint, o.master_addr, o.use_port)
+    _check_rdzv_backend(o.rdzv_backend, nodes)
+    conf_timeout, notices = _read_rdzv_conf(o.rdzv_conf)
+    restarts = _non_negative_int("max_restarts", o.max_restarts)
+    poll = _preflight.check_seconds("monitor_interval", o.monitor_interval, default=0.1)
+    method = _preflight.check_choice("start_method", o.start_method, _preflight.START_METHODS)
+    limit = _preflight.check_seconds("timeout", o.timeout)
+    output_mode = _preflight.check_choice("output", o.output, OUTPUT_MODES)
+    _check_bool("init_process_group", o.init_process_group)
+    device = _preflight.check_choice("device", o.device, _preflight.DEVICES)
+    if o.threads_per_process is not None:
+        _preflight.check_positive_int("threads_per_process", o.threads_per_process, _THREADS_HINT)
+    hang_after = _preflight.check_seconds("hang_notice_after", o.hang_notice_after)
+    _check_bool("monitor", o.monitor)
+    rendezvous_timeout = o.rendezvous_timeout
+    if rendezvous_timeout == "auto":
+        auto = RENDEZVOUS_TIMEOUT if nodes == 1 else _MULTI_NODE_RENDEZVOUS
+        rendezvous_timeout = conf_timeout if conf_timeout is not None else auto
+    rdzv_limit = _preflight.check_seconds("rendezvous_timeout", rendezvous_timeout)
+    _check_bool("warm_imports", o.warm_imports)
+    rich = _rich_output(o.rich_output)
+    debug = o.debug
+    if debug is not None:
+        debug = _preflight.check_choice("debug", debug, DEBUG_MODES)
+    return LaunchPlan(
+        function=function, args=call_args, ranks=(), world_size=0, node_rank=node,
+        num_nodes=nodes, master_addr=addr, port=port, rdzv_id=str(o.rdzv_id),
+        max_restarts=restarts, start_method=method, mixed_precision=mixed, device=device,
+        use_gpu=False, threads=None, init_process_group=o.init_process_group,
+        output=output_mode, rich_output=rich,
+        prefix=o.log_line_prefix_template or DEFAULT_PREFIX, timeout=limit,
+        rendezvous_timeout=rdzv_limit, hang_notice_after=hang_after, poll_interval=poll or 0.1,
+        warm_imports=o.warm_imports, monitor=o.monitor, notices=tuple(notices), debug=debug,
+    )  # fmt: skip
+
+
+#: ``debug=``: ``None`` (no debugger), or keep the failing rank for a post-mortem.
+DEBUG_MODES = ("postmortem",)
+
+
+_NPROCS_HINT = "For CPU training on a laptop, 2 to 4 is a good choice."
+_NODES_HINT = "Use num_nodes=1 for a launch on this machine only."
+_THREADS_HINT = "Or leave it unset for cores / workers."
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}={value!r} must be True or False.")
+
+
+def _check_multi_node(num_nodes: int, port: int | None, restarts: int) -> None:
+    if num_nodes > 1 and port is None:
+        raise ValueError(
+            f"use_port=None with num_nodes={num_nodes}: every machine must know the port in "
+            "advance, so a multi-node launch needs an explicit port. Pass the same use_port "
+            "(for example use_port=29500) on every node."
+        )
+    if restarts and num_nodes > 1:
+        raise ValueError(
+            f"max_restarts={restarts} with num_nodes={num_nodes}: restarts are coordinated on "
+            "one machine only. Use max_restarts=0, or torchrun with an elastic rendezvous "
+            "(--rdzv-backend=c10d --max-restarts=N) for fault-tolerant multi-node jobs."
+        )
+
+
+def _devices(device: str, num_processes: int | None, method: str) -> tuple[bool, int]:
+    """Whether ranks use GPUs, and how many ranks (``None``: one per GPU)."""
+    cuda = _preflight.probe_cuda() if device != "cpu" else _preflight.CudaState(0, False, None)
+    use_gpu = device == "cuda" or (device == "auto" and cuda.gpus > 0)
+    if use_gpu and cuda.gpus == 0:
+        raise ValueError(
+            "device='cuda' but no GPU is visible to this kernel (check CUDA_VISIBLE_DEVICES "
+            "and the driver). Use device='cpu' (or the default 'auto') to run on CPU."
+        )
+    if num_processes is None:
+        if not use_gpu:
+            raise ValueError(
+                "num_processes=None means one process per GPU, and no GPU is in use here. "
+                "Say how many CPU processes to start, e.g. num_processes=2."
+            )
+        num_processes = cuda.gpus
+    if use_gpu and num_processes > cuda.gpus:
+        raise ValueError(
+            f"num_processes={num_processes} but only {cuda.gpus} GPU(s) are visible: each "
+            f"process needs its own GPU. Use num_processes={cuda.gpus} or fewer, or "
+            "device='cpu'."
+        )
+    if use_gpu and cuda.poisoned and method == "fork":
+        raise _preflight.cuda_poisoned_error(cuda)
+    return use_gpu, num_processes
+
+
+def _check_rdzv_backend(backend: object, num_nodes: int) -> None:
+    """``"static"`` always; ``"c10d"`` on one machine, where it gives the same ranks."""
+    name = backend.lower() if isinstance(backend, str) else None
+    if name == "static" or (name == "c10d" and num_nodes == 1):
+        # On one machine a c10d rendezvous assigns the same ranks a static one does (one
+        # agent, local ranks in order), so the kernel-hosted static store stands in for it.
+        return
+    if name == "c10d":
+        raise ValueError(
+            f"rdzv_backend='c10d' with num_nodes={num_nodes}: an elastic rendezvous across "
+            "machines (nodes joining and leaving, ranks assigned on arrival) needs torchrun's "
+            "agent on every machine, which a notebook launch does not have. Use "
+            "rdzv_backend='static' with the same master_addr and use_port on every machine "
+            "(each with its own node_rank), or run a script with torchrun --rdzv-backend=c10d."
+        )
+    raise ValueError(
+        f"rdzv_backend={backend!r} is not supported. Use 'static' (the default) or, on one "
+        "machine, 'c10d' (the same ranks); for other elastic rendezvous backends run a script "
+        "with torchrun."
+    )
+
+
+# rdzv_conf keys that mean "how long to wait for the ranks to join" (torchrun's names).
+_RDZV_TIMEOUT_KEYS = ("join_timeout", "timeout")
+
+
+def _read_rdzv_conf(conf: object) -> tuple[float | None, list[str]]:
+    """The rendezvous timeout an Accelerate-style ``rdzv_conf`` asks for, and notices."""
+    if conf is None or conf == {}:
+        return None, []
+    if not isinstance(conf, dict):
+        raise TypeError(
+            f"rdzv_conf={conf!r} must be a dict, e.g. rdzv_conf={{'timeout': 60}}, or None."
+        )
+    timeout = None
+    for key in _RDZV_TIMEOUT_KEYS:
+        if key in conf:
+            timeout = _preflight.check_seconds(f"rdzv_conf[{key!r}]", conf[key])
+            break
+    ignored = sorted(str(k) for k in conf if k not in _RDZV_TIMEOUT_KEYS)
+    notices = []
+    if ignored:
+        notices.append(
+            f"rdzv_conf keys {', '.join(ignored)} configure torchrun's elastic agent and are "
+            "ignored here; 'timeout'/'join_timeout' set rendezvous_timeout."
+        )
+    return timeout, notices
+
+
+def _rich_output(value: object) -> str | frozenset[int]:
+    if isinstance(value, str) and value.lower() in RICH_OUTPUT_MODES:
+        return value.lower()
+    ranks = [value] if isinstance(value, int) else value
+    if (
+        isinstance(ranks, (list, tuple, set, frozenset))
+        and ranks
+        and all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks)
+    ):
+        return frozenset(ranks)
+    raise ValueError(
+        f"rich_output={value!r} is not supported. Use 'rank0', 'all', 'none', a rank such as 1, "
+        "or a list of ranks such as [0, 1]."
+    )
+
+
+def _rendezvous_address(
+    endpoint: object,
+    master_addr: object,
+    use_port: object,
+) -> tuple[str, int | None]:
+    if not isinstance(master_addr, str) or not master_addr:
+        raise TypeError(f"master_addr={master_addr!r} must be a host name or IP address string.")
+    port = _preflight.check_port(use_port)
+    if endpoint:
+        if not isinstance(endpoint, str) or ":" not in endpoint:
+            raise ValueError(
+                f"rdzv_endpoint={endpoint!r} must look like 'host:port', e.g. '10.0.0.1:29500'. "
+                "Or pass master_addr and use_port instead."
+            )
+        host, _, endpoint_port = endpoint.rpartition(":")
+        master_addr = host.strip("[]")
+        try:
+            port = _preflight.check_port(endpoint_port)
+        except ValueError:
+            raise ValueError(
+                f"rdzv_endpoint={endpoint!r} has no valid port after the ':'. Use 'host:port' "
+                "with a port from 1024 to 65535, e.g. '10.0.0.1:29500'."
+            ) from None
+    return master_addr, port
+
+
+def _non_negative_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name}={value!r} must be a whole number, 0 or more.")
+    return value
+
+
+def _threads(threads_per_process: int | None, nprocs: int) -> int | None:
+    """Intra-op threads per worker so that N workers do not oversubscribe the cores."""
+    if threads_per_process is not None:
+        return threads_per_process
+    user_value = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if user_value:
+        # The user decided. Apply it in the worker too: a forked worker keeps the kernel's
+        # torch thread pool, which ignores a variable set after torch was imported.
+        return int(user_value) if user_value.isdigit() and int(user_value) > 0 else None
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // nprocs)
+
+
+def _fork_safe_threads(threads: int | None, explicit: bool) -> tuple[int | None, str | None]:
+    """Threads per forked worker that cannot hang on the kernel's OpenMP pool, and a notice.
+
+    See nb_dist/_openmp.py: the pool is released before forking; where it cannot be, a
+    throw-away child tells whether fork with threads would hang, and then the launch uses one
+    thread (or refuses an explicit ``threads_per_process > 1``).
+    """
+    wanted = threads if threads is not None else _kernel_threads()
+    # Released whatever the threads: the function may raise its own thread count later
+    # (torch.set_num_threads), and a kept pool would hang it then. About a millisecond.
+    release = _openmp.release_pool()
+    if wanted <= 1:
+        return threads, None
+    if release.status in ("released", "idle", "absent"):
+        return threads, _openmp.release_notice(release, wanted)
+    if not _openmp.pool_breaks_fork(wanted):
+        return threads, None
+    if explicit:
+        raise UnsafeLaunchError(_openmp.fork_unsafe_message(wanted, release))
+    return 1, _openmp.single_thread_notice(wanted, release)
+
+
+def _kernel_threads() -> int:
+    """Threads a forked worker inherits when the launcher does not set them."""
+
+    torch = sys.modules.get("torch")
+    return int(torch.get_num_threads()) if torch is not None else 1
+
+
+def _loopback_interface() -> str | None:
+    names = (
+        {name for _, name in socket.if_nameindex()} if hasattr(socket, "if_nameindex") else set()
+    )
+    for candidate in ("lo", "lo0"):
+        if candidate in names:
+            return candidate
+    return None
+
+
+def _pickle_for_spawn(function: Callable[..., Any], args: tuple[Any, ...]) -> bytes:
+    """Ship the function and args by value, so functions defined in a cell work with spawn."""
+    try:
+        return _shipping.dumps((function, args))
+    except Exception as exc:
+        raise TypeError(
+            f"start_method='spawn'/'forkserver' must send the function and args to fresh "
+            f"processes, and this failed: {type(exc).__name__}: {exc}. Make the args picklable "
+            "(no open files, locks or generators), create such objects inside the function, or "
+            "use start_method='fork'."
+        ) from exc
+
+
+def _cell_sources() -> dict[str, Any]:
+    """linecache entries of notebook cells, so spawned workers' tracebacks show the code."""
+    return {name: entry for name, entry in linecache.cache.items() if cell_label(name)}

@@ -1,0 +1,268 @@
+"""Pre-flight checks: refuse a launch, before any worker starts, when it cannot work.
+
+Each refusal says what was found, why it breaks a launch, and what to do about it (where
+possible without restarting the kernel). None of these checks initializes CUDA in the kernel.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+from .._shared._protocol import WORKER_ENV_FLAG
+from ._errors import UnsafeLaunchError
+from ._tracebacks import innermost_user_frame
+
+START_METHODS = ("fork", "spawn", "forkserver")
+DEVICES = ("auto", "cpu", "cuda")
+
+# Where CUDA was first touched in this process, recorded by install_cuda_touch_recorder().
+_first_cuda_touch: list[tuple[str, int, str]] | None = None
+
+
+# ------------------------------------------------------------------ arguments
+def check_function(function: object) -> None:
+    if not callable(function):
+        raise TypeError(
+            f"function={function!r} (a {type(function).__name__}) is not callable. Pass the "
+            "function itself, without calling it: notebook_launcher(train, args=(...)), "
+            "not notebook_launcher(train(...))."
+        )
+
+
+def check_args(args: object) -> tuple[Any, ...]:
+    if isinstance(args, (tuple, list)):
+        return tuple(args)
+    raise TypeError(
+        f"args={args!r} (a {type(args).__name__}) must be a tuple or list of the function's "
+        f"positional arguments. For one argument write args=({args!r},) with the comma."
+    )
+
+
+def check_positive_int(name: str, value: object, hint: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise (ValueError if isinstance(value, int) and not isinstance(value, bool) else TypeError)(
+            f"{name}={value!r} must be a positive whole number (1, 2, 3, ...). {hint}"
+        )
+    return value
+
+
+def check_node_rank(node_rank: object, num_nodes: int) -> int:
+    if isinstance(node_rank, bool) or not isinstance(node_rank, int) or node_rank < 0:
+        is_int = isinstance(node_rank, int) and not isinstance(node_rank, bool)
+        raise (ValueError if is_int else TypeError)(
+            f"node_rank={node_rank!r} must be a whole number from 0 to num_nodes - 1 "
+            "(0 on the first machine)."
+        )
+    if node_rank >= num_nodes:
+        raise ValueError(
+            f"node_rank={node_rank} is not less than num_nodes={num_nodes}: nodes are numbered "
+            f"0 to {num_nodes - 1}. Give every machine its own node_rank in that range."
+        )
+    return node_rank
+
+
+def check_port(use_port: object) -> int | None:
+    """Validate ``use_port`` (int or numeric str, as Accelerate accepts); ``None`` = automatic."""
+    if use_port is None:
+        return None
+    port: int | None = None
+    if isinstance(use_port, int) and not isinstance(use_port, bool):
+        port = use_port
+    elif isinstance(use_port, str) and use_port.strip().isdigit():
+        port = int(use_port.strip())
+    if port is None or not 1 <= port <= 65535:
+        raise ValueError(
+            f"use_port={use_port!r} is not a valid TCP port. Use a number from 1024 to 65535 "
+            "(as an int or a string such as '29500'), or leave use_port unset to let the "
+            "launcher pick a free port."
+        )
+    return port
+
+
+def check_choice(name: str, value: object, choices: tuple[str, ...]) -> str:
+    if isinstance(value, str) and value.lower() in choices:
+        return value.lower()
+    raise ValueError(
+        f"{name}={value!r} is not supported. Use one of {', '.join(repr(c) for c in choices)}."
+    )
+
+
+def check_seconds(name: str, value: object, default: float | None = None) -> float | None:
+    """A positive number of seconds; ``None`` allowed unless ``default`` is given (then it
+    says what leaving the argument unset gives)."""
+    if value is None and default is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        fix = "or None" if default is None else f"or leave it unset for {default:g}"
+        raise ValueError(f"{name}={value!r} must be a positive number of seconds, {fix}.")
+    return float(value)
+
+
+# ------------------------------------------------------------------ kernel state
+def check_not_nested() -> None:
+    rank = os.environ.get(WORKER_ENV_FLAG)
+    if rank is not None:
+        raise UnsafeLaunchError(
+            f"notebook_launcher was called from inside a launched worker (rank {rank}). A "
+            "launch cannot start workers of its own. Call notebook_launcher from the notebook "
+            "(the kernel) only, and run the inner work directly in the function."
+        )
+
+
+def check_process_group() -> None:
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    raise UnsafeLaunchError(
+        "A torch.distributed process group is already initialized in this kernel "
+        f"(backend {dist.get_backend()!r}, world size {dist.get_world_size()}). Workers forked "
+        "now would inherit a copy of it that talks to nobody, and their own "
+        "init_process_group would fail. Call torch.distributed.destroy_process_group() in the "
+        "notebook, keep init_process_group inside the launched function, and launch again."
+    )
+
+
+def check_accelerate_state() -> None:
+    # Never import accelerate here: if it is not imported, no state can exist.
+    state = sys.modules.get("accelerate.state")
+    if state is None:
+        return
+    found = [
+        name
+        for name in ("AcceleratorState", "PartialState")
+        if getattr(getattr(state, name, None), "_shared_state", None)
+    ]
+    if not found:
+        return
+    raise UnsafeLaunchError(
+        f"An Accelerate {' and '.join(found)} already {'exists' if len(found) == 1 else 'exist'} "
+        "in this kernel (an Accelerator() "
+        "or PartialState() was created in a cell). Forked workers would inherit that "
+        "single-process state instead of building their own for their rank. Create the "
+        "Accelerator inside the launched function. To continue without restarting the kernel, "
+        "run: from accelerate.state import AcceleratorState; "
+        "AcceleratorState._reset_state(reset_partial_state=True), then launch again."
+    )
+
+
+# ------------------------------------------------------------------ CUDA
+def _cuda_built() -> bool:
+    import torch
+
+    return bool(torch.version.cuda or getattr(torch.version, "hip", None))
+
+
+def install_cuda_touch_recorder() -> None:
+    """Remember the Python stack of the first call that touches CUDA in this process.
+
+    Wraps the two torch entry points that poison fork (device counting and initialization), so
+    a refusal can name the line, e.g. "torch.cuda.is_available() at Cell In[3], line 2".
+    Only on CUDA builds of torch; CPU builds cannot poison fork.
+    """
+    import torch
+
+    if not _cuda_built() or getattr(torch._C, "_nb_dist_recorder", False):
+        return
+    for name in ("_cuda_getDeviceCount", "_cuda_init"):
+        original = getattr(torch._C, name, None)
+        if original is None:
+            continue
+
+        def recorder(*args: Any, _original: Any = original) -> Any:
+            global _first_cuda_touch
+            if _first_cuda_touch is None:
+                frames = traceback.extract_stack()[:-1]
+                _first_cuda_touch = [(f.filename, f.lineno or 0, f.name) for f in frames]
+            return _original(*args)
+
+        setattr(torch._C, name, recorder)
+    setattr(torch._C, "_nb_dist_recorder", True)  # noqa: B010 - marks torch._C as wrapped
+
+
+def cuda_touched() -> bool:
+    """Whether anything in this process has counted or initialized CUDA devices yet."""
+    return _first_cuda_touch is not None
+
+
+@dataclass
+class CudaState:
+    gpus: int
+    poisoned: bool
+    where: str | None
+
+
+def probe_cuda() -> CudaState:
+    """Count visible GPUs and find out whether fork is already poisoned, without touching CUDA.
+
+    ``torch.cuda.is_initialized()`` misses the commonest poisoning (``is_available()`` without
+    NVML poisons fork without initializing), and torch's own bad-fork flag is only
+    set in a child. So fork a throw-away child that asks torch whether it is in a bad fork and
+    counts the devices, and exits. Milliseconds, and skipped entirely on CPU builds.
+    """
+    if not _cuda_built():
+        return CudaState(gpus=0, poisoned=False, where=None)
+    import torch
+
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the throw-away child: report and leave, nothing else
+        try:
+            os.close(read_fd)
+            bad = bool(getattr(torch._C, "_cuda_isInBadFork", lambda: False)())
+            count = -1
+            if not bad:
+                count = int(torch.cuda.device_count())
+            os.write(write_fd, json.dumps({"bad": bad, "count": count}).encode())
+        finally:
+            os._exit(0)
+    os.close(write_fd)
+    chunks = []
+    deadline = time.monotonic() + 30
+    with os.fdopen(read_fd, "rb") as reader:
+        chunks.append(reader.read())
+    while time.monotonic() < deadline:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.005)
+    else:  # pragma: no cover - a wedged driver
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+    try:
+        report = json.loads(b"".join(chunks) or b"{}")
+    except ValueError:
+        report = {}
+    initialized: Any = torch.cuda.is_initialized  # untyped in torch
+    poisoned = bool(report.get("bad")) or bool(initialized())
+    count = int(report.get("count", -1))
+    if count < 0:
+        nvml = getattr(torch.cuda, "_device_count_nvml", None)
+        count = max(0, nvml()) if nvml else 0
+    where = innermost_user_frame(_first_cuda_touch) if _first_cuda_touch else None
+    return CudaState(gpus=count, poisoned=poisoned, where=where)
+
+
+def cuda_poisoned_error(state: CudaState) -> UnsafeLaunchError:
+    where = (
+        f"It was first touched by {state.where}."
+        if state.where
+        else "It was touched before nb_dist was imported (import nb_dist first, and the "
+        "launcher will name the line next time)."
+    )
+    return UnsafeLaunchError(
+        "CUDA was already initialized in this kernel. "
+        f"{where} Workers forked from the kernel now cannot use CUDA: each would fail with "
+        "'Cannot re-initialize CUDA in forked subprocess'. Even torch.cuda.is_available() "
+        "(unless PYTORCH_NVML_BASED_CUDA_CHECK=1, which importing nb_dist sets), creating a "
+        "CUDA tensor, or loading a checkpoint onto the GPU in a cell does this. "
+        "To continue without restarting the kernel, launch with start_method='spawn' (fresh "
+        "processes; the function is shipped with cloudpickle). To keep fork, restart the "
+        "kernel and keep every CUDA call (model.to('cuda'), torch.cuda.*) inside the launched "
+        "function."
+    )

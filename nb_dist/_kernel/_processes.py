@@ -1,0 +1,284 @@
+"""Process kinds: how a worker is started, watched, signalled and reaped, behind one interface.
+
+The supervisor never asks how a worker was started. Each start method is a class with the
+same four operations (:class:`WorkerProcess`); :func:`start` picks one:
+
+- ``fork``: ``os.fork`` of the kernel (cell-defined functions, the kernel's modules and data
+  are simply there). The kernel is the parent: it reaps with ``waitpid``.
+- ``spawn``: a fresh interpreter (``subprocess.Popen``) that reads its spec from stdin. Also
+  the kernel's child.
+- ``forkserver``: multiprocessing's fork server forks it, so the kernel is not the parent:
+  the exit status comes from multiprocessing's sentinel.
+
+Every worker leads its own process group (it calls ``setpgid(0, 0)`` first thing), so a
+signal to the group reaches what it started too (DataLoader workers, subprocesses), and a
+finished worker's group is killed before it is reaped: nothing outlives a launch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from multiprocessing.context import BaseContext
+from typing import Any, Protocol
+
+from .._rank._entry import forkserver_main, run_worker
+from .._rank._spec import WorkerChannels, WorkerSpec
+from .._shared._frames import PACKAGE_DIR
+
+
+class WorkerProcess(Protocol):
+    """One started worker, whatever started it."""
+
+    pid: int
+
+    def exit_code(self) -> int | None:
+        """The exit code if it has ended (negative: the signal), reaped; else ``None``.
+
+        Kills the worker's leftover process group (grandchildren) before reaping, while the
+        zombie still reserves the group's id.
+        """
+
+    def send_signal(self, sig: int) -> None:
+        """Signal its whole process group (and the worker itself, if the group is gone)."""
+
+    def kill_and_reap(self) -> int:
+        """SIGKILL the group and wait for the worker; its exit code."""
+
+
+def start(
+    method: str, spec: WorkerSpec, channels: WorkerChannels, context: BaseContext | None
+) -> WorkerProcess:
+    """Start one worker with ``method`` (``"fork"``, ``"spawn"`` or ``"forkserver"``)."""
+    if method == "fork":
+        return _Forked(_fork(spec, channels))
+    if method == "spawn":
+        return _Spawned(_spawn(spec, channels))
+    assert context is not None
+    process = context.Process(  # type: ignore[attr-defined]
+        target=forkserver_main, args=(spec, channels), name=f"nb_dist-rank{spec.rank}"
+    )
+    process.start()
+    return _FromForkserver(process)
+
+
+def forkserver_context() -> BaseContext:
+    """multiprocessing's fork server, which imports torch and the worker once, when it starts.
+
+    Without the preload every worker it forks imports torch itself (2-3 s per launch). The
+    server never computes, so it has no OpenMP pool and touches no CUDA: its children keep
+    their threads and can use GPUs. A server already started by other code keeps its own
+    preload list.
+    """
+    context = multiprocessing.get_context("forkserver")
+    preload = ["torch", "nb_dist._rank._entry"]
+    if "torch" in sys.modules:
+        context.set_forkserver_preload(preload)
+    return context
+
+
+# ------------------------------------------------------------------ the kernel's children
+class _Forked:
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def exit_code(self) -> int | None:
+        try:
+            info = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return -signal.SIGKILL  # reaped elsewhere: report it as killed
+        if info is None:
+            return None
+        signal_group(self.pid, signal.SIGKILL, group_only=True)
+        return self._reap()  # it has ended: a zombie is reaped at once
+
+    def send_signal(self, sig: int) -> None:
+        signal_group(self.pid, sig)
+
+    def kill_and_reap(self) -> int:
+        signal_group(self.pid, signal.SIGKILL)
+        code = self._reap(within=REAP_WITHIN)
+        if code is None:
+            report_unreaped(self.pid, REAP_WITHIN)
+            return -signal.SIGKILL
+        return code
+
+    def _reap(self, within: float | None = None) -> int | None:
+        """Wait for the worker to end: its exit code, or ``None`` if ``within`` s pass first."""
+        code = reap_within(self.pid, within)
+        return -signal.SIGKILL if code == _GONE else code
+
+
+class _Spawned(_Forked):
+    def __init__(self, process: subprocess.Popen[bytes]) -> None:
+        super().__init__(process.pid)
+        self._process = process
+
+    def _reap(self, within: float | None = None) -> int | None:
+        code = super()._reap(within)
+        if code is not None:
+            self._process.returncode = code  # reaped here; keep Popen from waiting again
+        return code
+
+
+class _FromForkserver:
+    def __init__(self, process: Any) -> None:
+        self.pid = int(process.pid)
+        self._process = process
+
+    def exit_code(self) -> int | None:
+        code = self._process.exitcode
+        if code is not None:
+            signal_group(self.pid, signal.SIGKILL, group_only=True)
+        return code  # type: ignore[no-any-return]
+
+    def send_signal(self, sig: int) -> None:
+        signal_group(self.pid, sig)
+
+    def kill_and_reap(self) -> int:
+        signal_group(self.pid, signal.SIGKILL)
+        self._process.join(timeout=5)  # only the server can reap; multiprocessing asks it
+        code = self._process.exitcode
+        return int(code) if code is not None else -signal.SIGKILL
+
+
+# ------------------------------------------------------------------ reaping
+#: How long a killed worker may take to be reaped before it is reported and left behind (a
+#: process in uninterruptible sleep, e.g. a wedged driver or file system, ignores SIGKILL
+#: until the kernel call returns: waiting for it would wedge the cell).
+REAP_WITHIN = 5.0
+_GONE = -(2**31)  # reap_within: the pid is not (or no longer) a child of this process
+_log = logging.getLogger(__name__)
+
+
+def reap_within(pid: int, within: float | None) -> int | None:
+    """Reap child ``pid``: its exit code; ``None`` if it still runs after ``within`` s
+    (``None``: wait as long as it takes)."""
+    deadline = None if within is None else time.monotonic() + within
+    delay = 0.001
+    while True:
+        try:
+            done, status = os.waitpid(pid, 0 if deadline is None else os.WNOHANG)
+        except ChildProcessError:
+            return _GONE
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        assert deadline is not None
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(delay)  # a poll with back-off: waitpid has no timeout
+        delay = min(delay * 2, 0.05)
+
+
+def process_state(pid: int) -> str:
+    """The state Linux reports for ``pid`` (e.g. ``"D (disk sleep)"``), or ``"unknown"``."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith("State:"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def report_unreaped(pid: int, waited: float) -> str:
+    """Say that worker ``pid`` could not be reaped and is left behind; the sentence said."""
+    text = (
+        f"nb_dist: worker process {pid} did not end within {waited:g} s of SIGKILL (state: "
+        f"{process_state(pid)}); it is left behind so that this cell can end. A process in "
+        "'D' state waits in the operating system (a driver or a file system); it ends when "
+        f"that call returns. If it stays, check `ps -o pid,stat,wchan -p {pid}`."
+    )
+    _log.warning(text)
+    print(text, file=sys.stderr, flush=True)
+    return text
+
+
+# ------------------------------------------------------------------ starting
+def _fork(spec: WorkerSpec, channels: WorkerChannels) -> int:
+    """Fork one worker. The child never returns from here."""
+    # Block SIGINT across the fork: a KeyboardInterrupt raised in the child before it reaches
+    # run_worker would unwind a copy of the kernel through the cell's code.
+    old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    pid = -1
+    try:
+        with warnings.catch_warnings():
+            # Python >= 3.12 warns that fork() from a multi-threaded process (every Jupyter
+            # kernel) may deadlock in the child. The worker never uses the kernel's threads or
+            # their locks: it replaces stdout/stderr with its own pipes before any output, never
+            # touches ZMQ/iopub, and leaves through os._exit. That makes this fork safe.
+            warnings.filterwarnings("ignore", category=DeprecationWarning, message=r".*fork\(\)")
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    signal.signal(signal.SIGINT, signal.SIG_IGN)
+                    signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+                    run_worker(spec, channels, forked=True)
+                finally:
+                    os._exit(1)
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+    except BaseException:
+        # An interrupt that lands between the fork and the return (another kernel thread takes
+        # the signal; Python raises it here at its next check) would lose the child's pid:
+        # kill and reap it now, so nothing the caller never saw keeps running.
+        if pid > 0:
+            signal_group(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+        raise
+    return pid
+
+
+def _spawn(spec: WorkerSpec, channels: WorkerChannels) -> subprocess.Popen[bytes]:
+    """Start a fresh interpreter for one worker (no re-import of the caller's __main__)."""
+    fds = channels.named_fds()
+    env = dict(os.environ)
+    env.update(spec.env)
+    # The worker imports nb_dist before anything else; make sure it finds this copy.
+    package_root = os.path.dirname(PACKAGE_DIR)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    process = subprocess.Popen(
+        [sys.executable, "-c", "from nb_dist._rank._entry import spawn_main; spawn_main()"],
+        stdin=subprocess.PIPE,
+        stdout=fds["stdout"],
+        stderr=fds["stderr"],
+        pass_fds=tuple(fds.values()),
+        env=env,
+    )
+    assert process.stdin is not None
+    try:
+        process.stdin.write(pickle.dumps((spec, fds), protocol=pickle.HIGHEST_PROTOCOL))
+        process.stdin.close()
+    except BrokenPipeError:
+        pass  # the worker died at start; its exit code and stderr tell why
+    return process
+
+
+# ------------------------------------------------------------------ signals
+def signal_group(pid: int, sig: int, group_only: bool = False) -> None:
+    """Send ``sig`` to the process group led by ``pid``; else (unless ``group_only``) to it."""
+    try:
+        os.killpg(pid, sig)
+        return
+    except (ProcessLookupError, PermissionError):
+        pass
+    if not group_only:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+
+def signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"

@@ -1,0 +1,313 @@
+"""One rank as the kernel sees it: its process, its pipes, and what it has reported.
+
+The supervisor owns the loop; a :class:`Rank` turns the bytes that arrive on its pipes into
+lines for the cell, stack dumps, protocol messages, and its returned value.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import signal
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from .._shared import _collectives, _protocol
+from .._shared._reporting import ReportEntry, Reports
+from ._diagnosis import Frame, RendezvousView, StuckRank, ended_without_value
+from ._errors import RankOutcome, RankStatus
+from ._output import LineSplitter, OutputRouter
+from ._processes import WorkerProcess, signal_name
+from ._tracebacks import format_frames, parse_fault_dump, relabel_cells
+
+FINAL: tuple[RankStatus, ...] = ("ok", "failed", "collateral", "stopped")
+PIPES = ("stdout", "stderr", "control", "stack")
+
+
+@dataclass
+class Rendezvous:
+    """A rank's rendezvous as it reported it (see _rendezvous.py)."""
+
+    entered_at: float | None = None
+    done: bool = False
+    world_size: int | None = None
+    endpoint: str | None = None
+
+
+class Rank:
+    """One worker: started by the supervisor, fed by its pipes, finalized once it ended."""
+
+    def __init__(self, local_rank: int, rank: int) -> None:
+        self.local_rank = local_rank
+        self.outcome = RankOutcome(rank=rank, local_rank=local_rank, status="starting")
+        self.process: WorkerProcess | None = None
+        self.pipes: dict[str, Connection] = {}
+        self.commands: Connection | None = None  # kernel → worker
+        self.splitters = {"stdout": LineSplitter(), "stderr": LineSplitter()}
+        self.stack = bytearray()
+        self.thread_ident: int | None = None  # from Hello: whose stack to read
+        self.value: Any = None
+        self.result: _protocol.Result | None = None  # set once the value has arrived
+        self.failure: _protocol.Failed | None = None
+        self.rendezvous = Rendezvous()
+        self.returncode: int | None = None
+        self.exited_at: float | None = None
+        self.control_closed_at: float | None = None
+        self.stop_requested = False
+        # The rank's debugger (_debug.py): its prompt waiting for a line, what it printed.
+        self.prompt: _protocol.DebugPrompt | None = None
+        self.debugging = False
+        self.debug_text = ""
+        # A live rank: the last task it finished and how many collectives it had entered.
+        self.idle_task: int | None = None
+        self.tasks_sent = 0  # the rank is idle when idle_task == tasks_sent
+        self.collectives = 0
+
+    def begin_task(self) -> None:
+        """Forget the last task (a live rank): a fresh outcome, no value, no failure."""
+        self.outcome = RankOutcome(
+            rank=self.outcome.rank, local_rank=self.local_rank, status="starting",
+            pid=self.outcome.pid,
+        )  # fmt: skip
+        self.value, self.result, self.failure = None, None, None
+        self.stack.clear()
+        self.stop_requested = False
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.returncode is None
+
+    @property
+    def finished(self) -> bool:
+        return self.outcome.status in FINAL
+
+    def open_pipes(self) -> dict[str, Connection]:
+        """Create this rank's pipes; keep the kernel's ends, return the worker's.
+
+        Four carry what the worker says (the kernel reads them); ``commands`` goes the other
+        way (the debugger's answers, a live rank's tasks)."""
+        ends = {kind: multiprocessing.Pipe(duplex=False) for kind in PIPES}
+        self.pipes = {kind: reader for kind, (reader, _) in ends.items()}
+        theirs = {kind: writer for kind, (_, writer) in ends.items()}
+        theirs["commands"], self.commands = multiprocessing.Pipe(duplex=False)
+        return theirs
+
+    def kernel_ends(self) -> list[Connection]:
+        """Every pipe end the kernel holds for this rank (a forked worker closes them all)."""
+        return [*self.pipes.values(), *([self.commands] if self.commands is not None else [])]
+
+    def send(self, command: _protocol.Command) -> bool:
+        """Send a command to the worker; False if it can no longer receive one."""
+        if self.commands is None or self.commands.closed:
+            return False
+        try:
+            _protocol.send(self.commands, command)
+        except (OSError, EOFError):
+            return False
+        return True
+
+    def settle(self) -> RankStatus:
+        """Record how the finished worker ended (exit status, exception, duration); the
+        status that follows from it."""
+        out, code, failure = self.outcome, self.returncode, self.failure
+        out.duration = self.result.duration if self.result is not None else None
+        if code is not None and code < 0:
+            out.signal_name = signal_name(-code)
+        elif code is not None:
+            out.exit_code = code
+        if failure is not None:
+            self._record_failure(failure)
+            return "failed"
+        if self.result is not None and code == 0:
+            return "ok"
+        if self.stop_requested:
+            return "stopped"
+        out.failed_at = self.control_closed_at or self.exited_at
+        out.message = ended_without_value(code, out.signal_name)
+        return "failed"
+
+    def _record_failure(self, failure: _protocol.Failed) -> None:
+        out = self.outcome
+        out.exc_type, out.message, out.failed_at = failure.exc_type, failure.message, failure.at
+        out.traceback = relabel_cells(failure.traceback)
+
+    def ask_for_stack(self) -> bool:
+        """Ask the worker for its Python stack (SIGUSR1 → faulthandler); False if it cannot
+        answer (only workers that said hello have faulthandler, SIGUSR1 would kill others)."""
+        if not (self.alive and self.thread_ident is not None and self.process is not None):
+            return False
+        self.stack.clear()
+        try:
+            os.kill(self.process.pid, signal.SIGUSR1)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def read_stack(self) -> list[Frame]:
+        """The stack the worker dumped (its function's thread), also kept on the outcome."""
+        dump = self.stack.decode("utf-8", "replace")
+        frames = parse_fault_dump(dump, self.thread_ident)
+        self.outcome.stack = format_frames(frames)
+        return frames
+
+    def read_stream(self, kind: str, router: OutputRouter) -> bool:
+        """Read what is waiting on ``stdout``/``stderr``/``stack``; False once it closed."""
+        try:
+            data = os.read(self.pipes[kind].fileno(), 65536)
+        except OSError:
+            data = b""
+        if not data:
+            if kind in self.splitters:
+                router.lines(self.local_rank, kind, self.splitters[kind].flush())
+            return False
+        if kind == "stack":
+            self.stack.extend(data)
+        else:
+            router.lines(self.local_rank, kind, self.splitters[kind].feed(data))
+        return True
+
+    def read_message(self) -> _protocol.Message | None:
+        """The next control message (a :class:`~_protocol.Result` with its value read);
+        ``None`` once the pipe closed. ``TypeError``/pickle errors for a bad frame."""
+        try:
+            message = _protocol.decode(self.pipes["control"].recv_bytes())
+        except (EOFError, OSError):
+            self.control_closed_at = time.monotonic()
+            return None
+        if isinstance(message, _protocol.Result) and not self._read_value(message):
+            return None
+        return message
+
+    def _read_value(self, result: _protocol.Result) -> bool:
+        try:
+            data = _protocol.read_raw(self.pipes["control"], result.size)
+        except (EOFError, OSError):
+            # The worker died while sending its value (e.g. the OOM killer): its exit status
+            # tells the user what happened, not a bare EOFError from the loop.
+            self.control_closed_at = time.monotonic()
+            return False
+        try:
+            self.value = pickle.loads(data)
+            self.result = result
+        except Exception as exc:
+            self.failure = _protocol.Failed(
+                "UnpicklableResultError",
+                f"the kernel could not unpickle the value returned by rank "
+                f"{self.outcome.rank} ({type(exc).__name__}: {exc}). Return plain data "
+                "(numbers, lists, dicts, tensors) or objects of classes the kernel can import.",
+                "",
+                time.monotonic(),
+            )
+        return True
+
+    def handle(
+        self,
+        message: _protocol.Message,
+        router: OutputRouter,
+        observer: Any,
+        reports: Reports,
+        imports: set[str],
+    ) -> RankStatus | None:
+        """Act on one control message; the status it moves this rank to, if any."""
+        local = self.local_rank
+        match message:
+            case _protocol.Hello(thread_ident=ident):
+                self.thread_ident = ident
+                return "running"
+            case _protocol.Reports(values=values):
+                entries = self.add_reports(values, reports, router)
+                if observer is not None and entries:
+                    observer.reports(local, entries)
+            case _protocol.Progress(key=key, count=count, total=total):
+                if observer is not None:
+                    observer.progress(local, key, count, total)
+            case _protocol.Rendezvous(stage="enter", at=at, world_size=size, endpoint=where):
+                self.rendezvous = Rendezvous(at, False, size, where)
+            case _protocol.Rendezvous():
+                self.rendezvous.done = True
+            case _protocol.Display(data=data, metadata=meta, display_id=ident, update=update):
+                router.display(local, data, meta, ident, update)
+            case _protocol.ClearOutput(wait=wait):
+                router.clear_output(local, wait)
+            case _protocol.Returned(at=at):
+                self.outcome.returned_at = at
+            case _protocol.Imports(names=names):
+                imports.update(names)
+            case _protocol.Failed():
+                self.failure = message
+            case _protocol.Result():
+                pass  # the value was read with it (read_message)
+            case _protocol.DebugPrompt(text=text, prompt=None):
+                self.debugging, self.prompt = False, None
+                self.debug_text += text
+            case _protocol.DebugPrompt():
+                self.debugging, self.prompt = True, message
+            case _protocol.Idle(task=task, collectives=count):
+                self.idle_task, self.collectives = task, count
+                self.outcome.duration = self.result.duration if self.result else None
+                if self.failure is not None:
+                    self._record_failure(self.failure)
+                    return "failed"
+                return "ok"
+            case _:  # pragma: no cover - decode() admits only the classes above
+                raise AssertionError(f"rank {self.outcome.rank}: unexpected {message!r}")
+        return None
+
+    def add_reports(
+        self, values: tuple[_protocol.ReportValue, ...], reports: Reports, router: OutputRouter
+    ) -> list[tuple[str, ReportEntry]]:
+        """Add a batch to ``reports``, value by value; the entries that arrived."""
+        rank, offset = self.outcome.rank, time.time() - time.monotonic()
+        entries = []
+        for item in values:
+            try:
+                value = item.value()
+            except Exception as exc:  # one value the kernel cannot read costs only itself
+                router.notice(
+                    f"report({item.name!r}, ...) from rank {rank}: the kernel cannot read a "
+                    f"{item.type_name} ({type(exc).__name__}: {exc}). Report numbers, tensors, "
+                    "arrays or dicts/lists of those, or objects of classes the kernel imports."
+                )
+                continue
+            entry = reports.add(rank, item.name, item.step, item.at + offset, value)
+            entries.append((item.name, entry))
+        return entries
+
+    def stuck_view(
+        self, was_live: bool, frames: list[Frame] | None, counter: str | None = None
+    ) -> StuckRank:
+        """This rank for a timeout report (``frames``: its stack, if one was taken;
+        ``counter``: its collective counter file)."""
+        out = self.outcome
+        counts = _collectives.read(counter) if counter else None
+        if out.returned_at is not None and was_live:
+            return StuckRank(out.rank, "teardown", collectives=counts)
+        if frames is not None:
+            return StuckRank(out.rank, "blocked", frames=tuple(frames), collectives=counts)
+        if was_live:
+            return StuckRank(out.rank, "starting", collectives=counts)
+        return StuckRank(out.rank, "ended", outcome=out.describe(), collectives=counts)
+
+    def rendezvous_view(
+        self, now: float, was_live: bool, frames: list[Frame] | None
+    ) -> RendezvousView:
+        """This rank for a rendezvous report."""
+        out, rdzv = self.outcome, self.rendezvous
+        if was_live and out.returned_at is None:
+            state = "running"
+        elif out.returned_at is not None or out.status == "ok":
+            state = "returned"
+        else:
+            state = out.describe()
+        return RendezvousView(
+            rank=out.rank,
+            waited=None if rdzv.entered_at is None else now - rdzv.entered_at,
+            done=rdzv.done,
+            asked_world_size=rdzv.world_size,
+            endpoint=rdzv.endpoint,
+            state=state,
+            frames=tuple(frames) if frames is not None else None,
+        )

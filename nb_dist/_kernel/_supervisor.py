@@ -1,0 +1,463 @@
+"""The kernel side of one launch attempt: start the workers, watch them, stop them.
+
+Everything here runs in the thread that called the launcher (the cell's thread), in one
+``select`` loop: worker output is written by that thread, so it lands in the launching cell;
+an interrupt arrives there as ``KeyboardInterrupt`` and tears the workers down; and every
+worker is reaped and every pipe drained before control returns to the cell.
+
+How a worker is started and reaped is in ``_processes.py``, what it says on its control pipe
+in ``_protocol.py``, and what a stuck or failed launch means in ``_diagnosis.py``. A rank's
+status changes in one place, :meth:`Supervisor._set_status`.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any, TypeVar
+
+from .._rank._spec import WorkerSpec
+from .._shared import _protocol
+from .._shared._protocol import COLLECTIVES_ENV
+from .._shared._reporting import Reports
+from . import _diagnosis, _prompts, _start, _watchdogs
+from ._errors import LaunchError as _LaunchError
+from ._errors import (
+    LaunchTimeoutError,
+    RankOutcome,
+    RankStatus,
+    RendezvousTimeoutError,
+    WorkerFailedError,
+)
+from ._observer import Observer
+from ._output import OutputRouter
+from ._plan import LaunchPlan
+from ._pump import Pump, Run, poll_exit
+from ._rank_handle import FINAL, Rank
+
+# How long a stopped worker gets between SIGTERM and SIGKILL; keeps "stopped within 1 s".
+STOP_GRACE = 0.4
+# How long to keep reading a dead worker's pipes (a grandchild may hold them open).
+DRAIN_AFTER_EXIT = 1.0
+# A partial line (no newline yet) is shown after this long anyway.
+PARTIAL_LINE_AFTER = 1.0
+_Error = TypeVar("_Error", bound=_LaunchError)
+
+
+@dataclass
+class AttemptResult:
+    values: list[Any]
+    reports: Reports
+    outcomes: list[RankOutcome]
+    durations: list[float | None]
+
+
+class Supervisor:
+    """Runs one attempt: ``run()`` returns per-rank values or raises a launch error."""
+
+    def __init__(
+        self,
+        plan: LaunchPlan,
+        worker_env: list[dict[str, str]],
+        router: OutputRouter,
+        observer: Observer | None,
+    ) -> None:
+        self.config = plan
+        self.worker_env = worker_env
+        self.workers = [Rank(i, r) for i, r in enumerate(plan.ranks)]
+        #: The run now going on: its ranks, output, reports and watchdog marks (``_pump.py``).
+        self.current = Run(self.workers, router, observer)
+        self._pump = Pump()
+        self._lifeline: Connection | None = None  # its EOF tells the workers the kernel died
+        #: The failed rank kept for a post-mortem (``debug="postmortem"``), if any.
+        self.held: Rank | None = None
+        self._post_mortem_given = False  # the held rank went to the error's PostMortem
+
+    @property
+    def imports(self) -> set[str]:
+        """Modules the run's ranks imported that the kernel lacks (see ``_warm.py``)."""
+        return self.current.imports
+
+    # ----------------------------------------------------------------- the attempt
+    def run(self) -> AttemptResult:
+        __tracebackhide__ = True
+        try:
+            self._start_all()
+            timeout = self.config.timeout
+            deadline = None if timeout is None else time.monotonic() + timeout
+            if self._watch(deadline):
+                raise self._timeout_error()
+            self._drain_and_reap()
+            return self._result()
+        except BaseException:
+            # Failure, timeout or interrupt: stop everything before the exception reaches the
+            # cell, so the next launch starts from a clean kernel. A rank kept for a
+            # post-mortem stays only if its error carries it (else nobody could release it).
+            if not self._post_mortem_given:
+                self.held = None
+            self._stop_all()
+            self._drain_and_reap()
+            raise
+        finally:
+            for worker in self.current.workers:  # last line of defence (a second interrupt)
+                if worker.alive and worker.process is not None and worker is not self.held:
+                    worker.returncode = worker.process.kill_and_reap()
+            self._close()
+
+    def _set_status(self, worker: Rank, status: RankStatus) -> None:
+        """The one place a rank's status changes; the live view hears of every change."""
+        was_final = worker.finished
+        worker.outcome.status = status
+        if self.current.observer is None:
+            return
+        if status == "running":
+            self.current.observer.started(worker.local_rank)
+        elif status in FINAL and not was_final:
+            self.current.observer.finished(worker.local_rank, worker.outcome)
+
+    # ----------------------------------------------------------------- start
+    def _start_all(self) -> None:
+        """Start every rank (``_start.py``), then watch its pipes."""
+        plan = self.config
+
+        def spec_for(local_rank: int, kernel_fds: list[int]) -> WorkerSpec:
+            return plan.worker_spec(local_rank, self.worker_env[local_rank], kernel_fds)
+
+        try:
+            self._lifeline = _start.start_all(plan.start_method, self.workers, spec_for)
+        finally:
+            for worker in self.workers:
+                self._pump.add(worker)
+
+    # ----------------------------------------------------------------- watch
+    def _watch(self, deadline: float | None) -> bool:
+        """Pump events until every worker has ended. Returns True if the deadline passed."""
+        run = self.current
+        while not all(w.finished for w in run.workers):
+            now = time.monotonic()
+            if _watchdogs.late(deadline, run.paused_for, now) and any(w.alive for w in run.workers):
+                return True
+            # A rank whose pipes closed is exiting and no event will wake the select: reap it
+            # within milliseconds, not a whole poll interval (~0.1 s per launch).
+            exiting = any(w.alive and w.control_closed_at is not None for w in run.workers)
+            wait = _watchdogs.next_wait(
+                self.config.poll_interval, exiting, deadline, run.paused_for, now
+            )
+            self._read(wait)
+            self._answer_debuggers()
+            self._poll_processes()
+            self._flush_stale_partials()
+            self._check_failures()
+            self._check_rendezvous()
+            self._check_stragglers()
+            if self.current.observer is not None:
+                self.current.observer.tick()
+        return False
+
+    def _read(self, wait: float) -> None:
+        """Read the ranks' pipes for up to ``wait`` s (``_pump.Pump``)."""
+        router = self.current.router
+        self._pump(wait, router, self._handle, router.notice)
+
+    def _read_until(
+        self, done: Callable[[], bool], seconds: float, each: Callable[[], None] | None = None
+    ) -> bool:
+        """Read and notice ended ranks until ``done()`` or ``seconds`` pass; whether done.
+        ``each`` runs after every read (e.g. an interrupt sent again)."""
+        deadline = time.monotonic() + seconds
+        while not done():
+            if time.monotonic() >= deadline:
+                return False
+            self._read(0.02)
+            self._poll_processes()
+            if each is not None:
+                each()
+        return True
+
+    def _handle(self, worker: Rank, message: _protocol.Message) -> None:
+        status = worker.handle(
+            message,
+            self.current.router,
+            self.current.observer,
+            self.current.reports,
+            self.current.imports,
+        )
+        if status is not None:
+            self._set_status(worker, status)
+        if isinstance(message, _protocol.Rendezvous) and all(
+            w.rendezvous.done for w in self.current.workers
+        ):
+            # Decided as the last "done" arrives: a later init_process_group in the function
+            # (after destroy_process_group) is not timed from this one's start.
+            self.current.rdzv_complete = True
+
+    def _answer_debuggers(self) -> None:
+        """A rank stopped in pdb (``nb_dist.breakpoint``): its prompts are answered from the
+        cell, here, before anything else (the others wait in their collectives meanwhile)."""
+        for worker in self.current.workers:
+            if worker is self.held or not (worker.debugging or worker.prompt is not None):
+                continue
+            if worker.failure is not None and not self.current.policy.answers_post_mortems:
+                continue  # a launch keeps a failed rank for %debug (see _hold_for_post_mortem)
+            began = time.monotonic()
+            if self.current.observer is not None:
+                self.current.observer.paused(worker.local_rank, True)
+            _prompts.converse(worker, self._read_and_poll)
+            if self.current.observer is not None and worker.alive:
+                self.current.observer.paused(worker.local_rank, False)
+            paused = time.monotonic() - began
+            self.current.paused_for += paused  # time at a prompt is neither work nor a hang
+            if self.current.failed_at is not None:
+                self.current.failed_at += paused
+
+    def _read_and_poll(self, wait: float) -> None:
+        """Read the pipes, then notice ranks that ended (a debugger waits on both)."""
+        self._read(wait)
+        self._poll_processes()
+
+    def _poll_processes(self) -> None:
+        now = time.monotonic()
+        for worker in self.current.workers:
+            if worker.process is None:  # never started (the start of an earlier rank failed)
+                if not worker.finished:
+                    self._set_status(worker, "stopped")
+                continue
+            poll_exit(worker, now)
+            if not worker.finished and not worker.alive:
+                control_done = worker.control_closed_at is not None
+                if control_done or now - (worker.exited_at or now) > DRAIN_AFTER_EXIT:
+                    self._finalize(worker)
+
+    def _finalize(self, worker: Rank) -> None:
+        """Decide a finished worker's outcome (its control pipe is drained by now)."""
+        status = worker.settle()
+        if status == "ok":
+            self.current.first_finish = self.current.first_finish or time.monotonic()
+        self._set_status(worker, status)
+
+    def _flush_stale_partials(self) -> None:
+        now = time.monotonic()
+        for worker in self.current.workers:
+            for kind, splitter in worker.splitters.items():
+                since = splitter.pending_since
+                if since is not None and now - since > PARTIAL_LINE_AFTER:
+                    self.current.router.lines(worker.local_rank, kind, splitter.flush())
+
+    def _check_failures(self) -> None:
+        if self.current.policy.on_failure is not None:
+            self.current.policy.on_failure()
+            return
+        if self.current.failure_seen:
+            return
+        for worker in self.current.workers:
+            failed_exit = not worker.alive and worker.returncode not in (None, 0)
+            if (
+                worker.failure is not None
+                or (failed_exit and not worker.stop_requested)
+                or (worker.outcome.status == "failed")
+            ):
+                self.current.failure_seen = True
+                self._hold_for_post_mortem(worker)
+                self._stop_all()
+                return
+
+    def _hold_for_post_mortem(self, worker: Rank) -> None:
+        """``debug="postmortem"``: the first rank to fail stays at its exception, not stopped."""
+        if self.config.debug != "postmortem" or worker.failure is None or not worker.alive:
+            return
+        self.held = worker
+        self._set_status(worker, worker.settle())
+
+    def _check_stragglers(self) -> None:
+        limit = self.config.hang_notice_after
+        waited = _watchdogs.straggler_wait(self.current.first_finish, limit, time.monotonic())
+        if waited is None:
+            return
+        finished = [w.outcome.rank for w in self.current.workers if w.outcome.status == "ok"]
+        for worker in self.current.workers:
+            if not worker.alive or worker.local_rank in self.current.hang_noticed:
+                continue
+            self.current.hang_noticed.add(worker.local_rank)
+            returned = worker.outcome.returned_at
+            if returned is not None:
+                ago = time.monotonic() - returned
+                self.current.router.notice(_diagnosis.teardown_notice(worker.outcome.rank, ago))
+                continue
+            frames = self._stacks([worker]).get(worker.local_rank, [])
+            notice = _diagnosis.straggler_notice(worker.outcome.rank, waited, finished, frames)
+            self.current.router.notice(notice)
+
+    def _check_rendezvous(self) -> None:
+        """Stop a rendezvous that has not completed ``rendezvous_timeout`` s after it began."""
+        limit = self.config.rendezvous_timeout
+        entered = [w.rendezvous.entered_at for w in self.current.workers if w.rendezvous.entered_at]
+        if limit is None or not entered or self.current.rdzv_complete:
+            return
+        if self.current.failure_seen:
+            return  # a rank failed: the failure report explains, not the rendezvous
+        if all(w.rendezvous.done for w in self.current.workers):
+            self.current.rdzv_complete = True
+        elif _watchdogs.rendezvous_overdue(entered, limit, time.monotonic()):
+            assert limit is not None
+            raise self._rendezvous_error(limit)
+
+    # ----------------------------------------------------------------- stacks
+    def _stacks(self, workers: list[Rank]) -> dict[int, list[_diagnosis.Frame]]:
+        """Ask live workers for their Python stacks (SIGUSR1 → faulthandler) and parse them."""
+        asked = [worker for worker in workers if worker.ask_for_stack()]
+        deadline = time.monotonic() + 0.5
+        quiet_since: float | None = None
+        while asked and time.monotonic() < deadline:
+            before = sum(len(w.stack) for w in asked)
+            self._read(0.02)
+            if all(w.stack for w in asked) and sum(len(w.stack) for w in asked) == before:
+                quiet_since = quiet_since or time.monotonic()
+                if time.monotonic() - quiet_since > 0.05:
+                    break
+            else:
+                quiet_since = None
+        return {worker.local_rank: worker.read_stack() for worker in asked}
+
+    # ----------------------------------------------------------------- stop
+    def _stop_all(self) -> None:
+        """SIGTERM every live worker's process group, then SIGKILL what is left after a grace."""
+        live = [w for w in self.current.workers if w.alive and w is not self.held]
+        for worker in live:
+            worker.stop_requested = True
+            assert worker.process is not None
+            worker.process.send_signal(signal.SIGTERM)
+        self._read_until(lambda: not any(w.alive for w in live), STOP_GRACE)
+        for worker in live:
+            if worker.alive and worker.process is not None:
+                worker.process.send_signal(signal.SIGKILL)
+
+    def _drain_and_reap(self) -> None:
+        workers = self.current.workers
+        if not self._read_until(
+            lambda: all(w.finished for w in workers), DRAIN_AFTER_EXIT + STOP_GRACE
+        ):
+            for worker in workers:
+                if worker.alive and worker.process is not None:
+                    worker.stop_requested = True
+                    worker.returncode = worker.process.kill_and_reap()
+                    worker.exited_at = time.monotonic()
+                if not worker.finished:
+                    self._finalize(worker)
+        for worker in workers:
+            for kind, splitter in worker.splitters.items():
+                self.current.router.lines(worker.local_rank, kind, splitter.flush())
+
+    def _close(self) -> None:
+        for worker in self.workers:
+            for conn in worker.pipes.values():
+                self._pump.remove(conn)
+                if worker is not self.held:
+                    conn.close()
+            if worker.commands is not None and worker is not self.held:
+                worker.commands.close()
+        self._pump.close()
+        if self.held is not None and self.held.alive:
+            return  # the lifeline now belongs to the post-mortem (see _result)
+        if self._lifeline is not None and not self._lifeline.closed:
+            self._lifeline.close()
+
+    # ----------------------------------------------------------------- results
+    def _result(self) -> AttemptResult:
+        outcomes = [w.outcome for w in self.current.workers]
+        if all(o.status == "ok" for o in outcomes):
+            return AttemptResult(
+                values=[w.value for w in self.current.workers],
+                reports=self.current.reports,
+                outcomes=outcomes,
+                durations=[o.duration for o in outcomes],
+            )
+        root, collateral = _diagnosis.root_cause(outcomes)
+        for worker in self.current.workers:
+            if worker.outcome in collateral:
+                self._set_status(worker, "collateral")
+        logs = self._logs()
+        message = _diagnosis.failure_message(root, outcomes, logs[root.local_rank])
+        held = self._held_at_its_prompt()
+        if held is not None:
+            message += "\n\n" + _diagnosis.post_mortem_note(held.outcome.rank)
+        closing = self.current.policy.closing_note
+        note = closing() if closing is not None else ""
+        if note:
+            message += "\n\n" + note
+        error = WorkerFailedError(message, root, outcomes, logs)
+        if held is not None:
+            error.post_mortem = _prompts.PostMortem(held, self._lifeline, self.current.router)
+            self._post_mortem_given = True
+            _prompts.hook_debug_magic()
+        return self._raise(error)
+
+    def _stuck_views(
+        self, live: list[Rank], frames: dict[int, list[_diagnosis.Frame]]
+    ) -> list[_diagnosis.StuckRank]:
+        """Every rank for a timeout report: where the live ones were, their collectives."""
+        return [
+            w.stuck_view(w in live, frames.get(w.local_rank), self.counter_file(w))
+            for w in self.current.workers
+        ]
+
+    def _held_at_its_prompt(self) -> Rank | None:
+        """The held rank once its debugger has asked for a command (within 2 s); a rank that
+        never gets there (it failed before its function ran, so has no frames) is let go."""
+        held = self.held
+        if held is not None:
+            self._read_until(
+                lambda: (
+                    not held.alive or held.prompt is not None or held.control_closed_at is not None
+                ),
+                2.0,
+            )
+        if held is None or held.prompt is None or not held.alive:
+            self.held = None  # stopped with the others (run's finally)
+            return None
+        return held
+
+    def _stop_with_stacks(self) -> tuple[list[Rank], dict[int, list[_diagnosis.Frame]]]:
+        """Take the stacks of the live ranks, then stop everything: (who was live, stacks)."""
+        live = [w for w in self.current.workers if w.alive]
+        frames = self._stacks(live)
+        self._stop_all()
+        self._drain_and_reap()
+        return live, frames
+
+    def _timeout_error(self) -> LaunchTimeoutError:
+        live, frames = self._stop_with_stacks()
+        views = self._stuck_views(live, frames)
+        timeout = self.config.timeout or 0.0
+        text, stacks = _diagnosis.timeout_report(timeout, views)
+        outcomes = [w.outcome for w in self.current.workers]
+        return self._with_reports(LaunchTimeoutError(text, timeout, stacks, outcomes, self._logs()))
+
+    def _rendezvous_error(self, limit: float) -> RendezvousTimeoutError:
+        live, frames = self._stop_with_stacks()
+        now = time.monotonic()
+        views = [
+            w.rendezvous_view(now, w in live, frames.get(w.local_rank))
+            for w in self.current.workers
+        ]
+        text, stacks = _diagnosis.rendezvous_report(limit, len(self.current.workers), views)
+        outcomes = [w.outcome for w in self.current.workers]
+        error = RendezvousTimeoutError(text, limit, stacks, outcomes, self._logs())
+        return self._with_reports(error)
+
+    def counter_file(self, worker: Rank) -> str | None:
+        """The rank's collective counter file (``_collectives.py``), if it has one."""
+        return self.worker_env[worker.local_rank].get(COLLECTIVES_ENV)
+
+    def _logs(self) -> list[str]:
+        return [self.current.router.log_text(w.local_rank) for w in self.current.workers]
+
+    def _with_reports(self, error: _Error) -> _Error:
+        error.reports = self.current.reports
+        return error
+
+    def _raise(self, error: WorkerFailedError) -> AttemptResult:
+        __tracebackhide__ = True
+        raise self._with_reports(error)

@@ -1,0 +1,142 @@
+"""Tracebacks and live stacks from workers, written the way IPython writes them.
+
+Workers report file names such as ``/tmp/ipykernel_123/2803.py``; the kernel knows that this
+file is ``Cell In[5]``. These helpers relabel such names in the kernel, and turn a raw
+``faulthandler`` dump of a blocked worker into a readable "most recent call last" stack.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import re
+import sys
+from typing import Any
+
+from .._shared._frames import ENTRY_FILE, FUNCTION_CALL, is_own
+
+_FILE_LINE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')
+_FAULT_HEADER = re.compile(r"^(Current thread|Thread|Stack) ?(?P<ident>0x[0-9a-f]+)?.*:$")
+FAULT_FRAME = re.compile(r'^\s+File "(?P<file>[^"]*)", line (?P<line>\d+) in (?P<name>.+)$')
+
+
+def ipython_shell() -> Any:
+    """The running IPython shell (a kernel's, or a terminal's), or ``None`` in a script.
+
+    Looked up without importing IPython: where it is not imported, no shell is running.
+    """
+    ipython = sys.modules.get("IPython")
+    return ipython.get_ipython() if ipython is not None else None
+
+
+def cell_label(filename: str) -> str | None:
+    """Return ``"Cell In[5]"`` for a file name IPython made for a cell, else ``None``."""
+    shell = ipython_shell()
+    compiler = getattr(shell, "compile", None)
+    formatter = getattr(compiler, "format_code_name", None)
+    if formatter is None:
+        return None
+    label = formatter(filename)
+    return f"{label[0]} {label[1]}" if label else None
+
+
+def relabel_cells(text: str) -> str:
+    """Replace ``File "/tmp/ipykernel_…/N.py", line L`` by ``Cell In[K], line L`` in ``text``."""
+
+    def repl(match: re.Match[str]) -> str:
+        label = cell_label(match.group("file"))
+        if label is None:
+            return match.group(0)
+        return f"{label}, line {match.group('line')}"
+
+    return _FILE_LINE.sub(repl, text)
+
+
+def parse_fault_dump(dump: str, thread_ident: int | None) -> list[tuple[str, int, str]]:
+    """Frames (file, line, function), most recent last, of one thread in a faulthandler dump.
+
+    ``thread_ident`` picks the thread (the worker's main thread); with ``None`` the first
+    block is used.
+    """
+    blocks: list[tuple[int | None, list[tuple[str, int, str]]]] = []
+    for raw in dump.splitlines():
+        header = _FAULT_HEADER.match(raw)
+        if header:
+            ident = header.group("ident")
+            blocks.append((int(ident, 16) if ident else None, []))
+            continue
+        frame = FAULT_FRAME.match(raw)
+        if frame and blocks:
+            blocks[-1][1].append((frame["file"], int(frame["line"]), frame["name"].strip()))
+    if not blocks:
+        return []
+    chosen = blocks[0][1]
+    for ident, frames in blocks:
+        if thread_ident is not None and ident == thread_ident:
+            chosen = frames
+            break
+    return list(reversed(chosen))
+
+
+def worker_frames(frames: list[tuple[str, int, str]]) -> list[tuple[str, int, str]]:
+    """Drop the frames below the worker's entry point (most recent last).
+
+    A forked worker's stack still holds the frames of whatever called the launcher in the
+    kernel (IPython, pytest, ...) below nb_dist's worker entry: they are not the rank's work.
+    """
+    entry = [i for i, f in enumerate(frames) if os.path.abspath(f[0]) == ENTRY_FILE]
+    return frames[entry[-1] + 1 :] if entry else frames
+
+
+def format_frames(frames: list[tuple[str, int, str]]) -> str:
+    """Format frames like a Python traceback body, with cell labels and source lines."""
+    lines = []
+    for filename, lineno, name in worker_frames(frames):
+        if is_own(filename):
+            continue
+        label = cell_label(filename)
+        where = f"{label}, line {lineno}" if label else f'File "{filename}", line {lineno}'
+        lines.append(f"  {where}, in {name}")
+        source = linecache.getline(filename, lineno).strip()
+        if source:
+            lines.append(f"    {source}")
+    return "\n".join(lines)
+
+
+def innermost_user_frame(frames: list[tuple[str, int, str]]) -> str | None:
+    """Short "``dist.all_reduce(t)`` at Cell In[5], line 9, in train" for a blocked worker.
+
+    The deepest frame is usually inside torch; what a learner needs is the line of their own
+    code that led there, so report the innermost frame whose file is not in a library.
+    """
+    library_markers = (os.sep + "site-packages" + os.sep, os.sep + "lib" + os.sep + "python")
+    for filename, lineno, name in reversed(worker_frames(frames)):
+        if any(m in filename for m in library_markers) or filename.startswith("<frozen"):
+            continue
+        if is_own(filename):
+            continue
+        where = cell_label(filename) or os.path.basename(filename)
+        source = linecache.getline(filename, lineno).strip()
+        code = f"`{source}` at " if source else ""
+        return f"{code}{where}, line {lineno}, in {name}"
+    return None
+
+
+def blocked_place(frames: list[tuple[str, int, str]]) -> str:
+    """Where a blocked worker is, for a learner: their own line, or what the native code is.
+
+    With no frame of the user's code, a stack whose innermost frame is the worker's own call
+    of the function means the function has returned and native code is freeing its local
+    variables (a DDP model whose process group was destroyed first can hang there).
+    """
+    user = innermost_user_frame(frames)
+    if user:
+        return user
+    if frames and (os.path.abspath(frames[-1][0]), frames[-1][2]) == FUNCTION_CALL:
+        return (
+            "the return from the function, in native code freeing its local variables (a "
+            "DistributedDataParallel model whose process group was already destroyed can hang "
+            "there: del the model before destroy_process_group(), or leave the destroy to the "
+            "launcher)"
+        )
+    return "an unknown place (native code, no Python frame of yours)"

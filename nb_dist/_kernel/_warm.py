@@ -1,0 +1,120 @@
+"""Warm relaunches: later launches inherit what earlier launches' workers had to import.
+
+A forked worker starts with every module the kernel has. ``DistributedDataParallel(...)``
+imports ``torch._dynamo`` (about 800 modules, 1.5-3 s) the first time it runs, and the kernel
+never does, so every launch of a DDP training cell paid it again, in every worker. Now each
+forked worker tells the kernel which modules it imported that the kernel lacks; after the
+launch the kernel imports the safe ones in a background thread, and the next launch's workers
+inherit them: a re-run DDP cell starts as fast as a trivial launch.
+
+What is imported: only modules under ``SAFE_ROOTS`` (``_shared/_imports.py``: torch's
+pure-Python subpackages and the libraries they pull in), never on spawn/forkserver launches
+(their workers do not inherit the kernel's modules). Importing them starts no thread and does
+not touch CUDA; both are checked after each import (thread count, and the CUDA first-touch
+recorder), and warming is switched off for the rest of the kernel, with a notice, if either
+happens. Every fork in the kernel (a launch's ranks, its probes, a restart, live ranks
+renewed) waits for a running import first (an ``os.register_at_fork`` hook), so no child
+inherits a half-imported module.
+
+Cost: the kernel's memory grows by what the modules take (about 70 MB for ``torch._dynamo``),
+once. Opt out with ``notebook_launcher(..., warm_imports=False)`` or ``NB_DIST_WARM_IMPORTS=0``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Iterable
+
+from .._shared._env import switched_off
+from . import _openmp, _preflight
+
+ENV = "NB_DIST_WARM_IMPORTS"
+_log = logging.getLogger(__name__)
+_thread: threading.Thread | None = None
+_disabled_because: str | None = None
+_imported: list[str] = []
+_lock = threading.Lock()
+
+
+def enabled(option: bool) -> bool:
+    if not option or _disabled_because is not None:
+        return False
+    return not switched_off(ENV)
+
+
+def schedule(names: Iterable[str]) -> None:
+    """Import ``names`` the kernel lacks, in a background thread (one at a time)."""
+    global _thread
+    missing = sorted({n for n in names if n not in sys.modules})
+    if not missing or _disabled_because is not None:
+        return
+    wait()
+    _thread = threading.Thread(
+        target=_import_all, args=(missing,), name="nb_dist-warm", daemon=True
+    )
+    _thread.start()
+
+
+def wait() -> float:
+    """Block until a running warm import has finished; the seconds waited."""
+    thread = _thread
+    if thread is None or not thread.is_alive():
+        return 0.0
+    began = time.monotonic()
+    thread.join()
+    return time.monotonic() - began
+
+
+def take_notice() -> str | None:
+    """A one-time notice if warming was switched off, else ``None``."""
+    global _disabled_because
+    reason = _disabled_because
+    if reason and not reason.startswith("said:"):
+        _disabled_because = "said:" + reason
+        return (
+            f"Warm relaunches are off for this kernel: {reason}. Later launches import what "
+            "their workers need themselves, as the first did."
+        )
+    return None
+
+
+def imported() -> list[str]:
+    """The modules imported for later launches so far (for the curious, and for tests)."""
+    with _lock:
+        return list(_imported)
+
+
+def _import_all(names: list[str]) -> None:
+    global _disabled_because
+    for name in names:
+        threads_before = _openmp.thread_count()
+        touched_before = _preflight.cuda_touched()
+        try:
+            importlib.import_module(name)
+        except (Exception, SystemExit) as exc:  # the next launch's ranks import it themselves
+            _log.info("warm import of %s failed: %s: %s", name, type(exc).__name__, exc)
+            continue
+        if _preflight.cuda_touched() and not touched_before:
+            _disabled_because = f"importing {name} touched CUDA"
+            return
+        if _openmp.thread_count() > threads_before:
+            _disabled_because = f"importing {name} started a thread"
+            return
+        with _lock:
+            _imported.append(name)
+
+
+def _before_fork() -> None:
+    """Every ``os.fork`` in the kernel waits for a running warm import (not the import's own
+    thread: a module that forks while it is imported must not wait for itself)."""
+    thread = _thread
+    if thread is not None and thread.is_alive() and thread is not threading.current_thread():
+        thread.join()
+
+
+os.register_at_fork(before=_before_fork)

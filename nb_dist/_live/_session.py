@@ -1,0 +1,309 @@
+"""The kernel side of live ranks: the supervisor's ranks kept alive across tasks.
+
+A :class:`SessionSupervisor` is a launch's :class:`~_supervisor.Supervisor` whose workers
+serve tasks (``_serve.py``) instead of running one function and exiting. It reuses the
+supervisor's start, ``select`` loop, output routing, stacks, watchdogs and teardown; what
+it adds is the life of one task:
+
+- before a task: every rank alive and idle, and their collective counts in step (a notice
+  if not: the next collective may pair different calls and hang);
+- a task ends when every rank it ran on sent :class:`~_protocol.Idle`;
+- a failure: the other ranks get ``FAILURE_GRACE`` to end on their own, then an
+  interrupt (SIGINT → ``KeyboardInterrupt`` in the task), then ``INTERRUPT_GRACE``
+  (``_kernel/_watchdogs.py``); a
+  rank still running then is blocked where no interrupt reaches it (a collective the failed
+  rank never joined), so every rank is stopped and the session is *lost*: its owner restarts it;
+- a timeout or the notebook's interrupt: the same interrupt, then the same verdict;
+- a rank that dies (a signal, ``os._exit``): the process group cannot survive it, so every
+  rank is stopped and the session is lost.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .._kernel import _diagnosis, _watchdogs
+from .._kernel._errors import LaunchInterrupted, LaunchTimeoutError
+from .._kernel._observer import Observer
+from .._kernel._output import OutputRouter
+from .._kernel._plan import LaunchPlan
+from .._kernel._processes import signal_name
+from .._kernel._pump import Policy, Run
+from .._kernel._rank_handle import Rank
+from .._kernel._supervisor import AttemptResult, Supervisor
+from .._shared import _protocol
+
+#: How long closed ranks get to destroy their process group and exit.
+CLOSE_GRACE = 1.0
+
+
+#: Starting the ranks and between tasks: a failure stops every rank (as in a launch), and a
+#: failed rank's debugger is answered in the cell (there is no later ``%debug`` for it).
+_BETWEEN = Policy(answers_post_mortems=True)
+
+
+@dataclass(frozen=True)
+class Lost:
+    """Why a session's ranks had to be stopped (its state is gone)."""
+
+    reason: str  # a sentence for the user
+    dead_rank: bool  # a rank died by itself (restart() by hand) vs. was stopped
+
+
+class SessionSupervisor(Supervisor):
+    """Ranks that stay up between tasks; ``start()``, then ``task()`` many times, ``close()``.
+
+    Each task is a fresh :class:`~_pump.Run` over the ranks it runs on: nothing a task
+    collected or noticed is left for the next one.
+    """
+
+    def __init__(
+        self,
+        plan: LaunchPlan,
+        worker_env: list[dict[str, str]],
+        router: OutputRouter,
+        observer: Observer | None,
+    ) -> None:
+        super().__init__(plan, worker_env, router, observer)
+        self.current = Run(self.workers, router, observer, policy=_BETWEEN)
+        self.task_count = 0
+        #: Why the ranks were stopped, once they were (the session's state is gone).
+        self.lost: Lost | None = None
+        self._closed = False
+        #: Reports accumulate over the session's tasks (``result.reports`` holds them all).
+        self._reports = self.current.reports
+
+    # ----------------------------------------------------------------- life
+    def start(self) -> None:
+        """Start every rank and wait until each has its process group (or raise)."""
+        __tracebackhide__ = True
+        try:
+            self._start_all()
+            timeout = self.config.timeout
+            deadline = None if timeout is None else time.monotonic() + timeout
+            if self._watch(deadline):
+                raise self._timeout_error()
+            self._result()  # raises if a rank could not start
+            self.current.router.finish()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Let every rank leave (its process group destroyed), kill what does not, reap."""
+        if self._closed:
+            return
+        self._closed = True
+        for worker in self.workers:
+            if worker.commands is not None and not worker.commands.closed:
+                worker.commands.close()  # EOF: the rank's loop ends
+        self.current = Run(self.workers, self.current.router, None, self._reports, _BETWEEN)
+        self._read_until(lambda: not any(w.alive for w in self.workers), CLOSE_GRACE)
+        for worker in self.workers:
+            if worker.alive and worker.process is not None:
+                worker.stop_requested = True
+                worker.returncode = worker.process.kill_and_reap()
+        self._close()
+
+    @property
+    def alive(self) -> bool:
+        return self.lost is None and all(w.alive for w in self.workers)
+
+    # ----------------------------------------------------------------- one task
+    def check_ready(self) -> str | None:
+        """Before a task: ``None``, or a notice that the ranks' collective counts differ."""
+        self._poll_processes()
+        dead = [w for w in self.workers if not w.alive]
+        if dead:
+            code = dead[0].returncode
+            name = signal_name(-code) if code is not None and code < 0 else None
+            how = _diagnosis.ended_without_value(code, name)
+            self.lost = Lost(f"rank {dead[0].outcome.rank} ended between cells: {how}", True)
+            self.close()
+            return None
+        busy = [w for w in self.workers if w.idle_task != w.tasks_sent]
+        if busy:  # a cell left running (a second interrupt cut its ending short)
+            stuck = self._settle(busy)
+            if stuck:
+                names = ", ".join(str(w.outcome.rank) for w in stuck)
+                self.lost = Lost(
+                    f"rank {names} was still busy with an earlier cell and could not be "
+                    "interrupted", dead_rank=False,
+                )  # fmt: skip
+                self.close()
+                return None
+        counts = {w.outcome.rank: w.collectives for w in self.workers}
+        if len(set(counts.values())) > 1:
+            listed = ", ".join(f"rank {r}: {n}" for r, n in counts.items())
+            return (
+                f"the ranks are out of step: they have entered different numbers of "
+                f"collectives ({listed}). A collective now may pair different calls on "
+                "different ranks and wait forever; run it on every rank, or restart()."
+            )
+        return None
+
+    def task(
+        self,
+        command_for: Callable[[Rank], _protocol.Command],
+        local_ranks: list[int],
+        router: OutputRouter,
+        observer: Observer | None,
+        timeout: float | None,
+    ) -> AttemptResult:
+        """Run one task on ``local_ranks``: their values, or a launch error (see the module)."""
+        __tracebackhide__ = True
+        policy = Policy(
+            answers_post_mortems=True, on_failure=self._on_task_failure, closing_note=self._note
+        )
+        self.current = Run(
+            [self.workers[i] for i in local_ranks], router, observer, self._reports, policy
+        )
+        self.task_count += 1
+        try:
+            for worker in self.current.workers:
+                worker.begin_task()
+                self._set_status(worker, "running")
+                worker.tasks_sent += 1
+                worker.send(command_for(worker))
+            deadline = None if timeout is None else time.monotonic() + timeout
+            try:
+                timed_out = self._watch(deadline)
+            except KeyboardInterrupt:
+                raise self._interrupted_error() from None
+            if timed_out:
+                raise self._task_timeout(timeout or 0.0)
+            self._read(0.0)  # output written just before the last Idle
+            for worker in self.current.workers:
+                for kind, splitter in worker.splitters.items():
+                    router.lines(worker.local_rank, kind, splitter.flush())
+            return self._result()
+        finally:
+            # Between tasks the session watches every rank, and nobody observes it.
+            self.current = Run(self.workers, router, None, self._reports, _BETWEEN)
+            router.finish()
+            if self.lost is not None:
+                self.close()
+
+    def _note(self) -> str:
+        if self.lost is None:
+            return "The session is still usable: every rank is idle, with its state."
+        return self.lost.reason
+
+    # ----------------------------------------------------------------- failures
+    def _on_task_failure(self) -> None:
+        """A task's policy: a dead rank ends the session; a failed one gets the others
+        interrupted, and a rank no interrupt reaches ends the session."""
+        dead = [w for w in self.current.workers if not w.alive and not w.stop_requested]
+        if dead and self.lost is None:
+            who = dead[0]
+            self.lost = Lost(
+                f"Rank {who.outcome.rank} died, so its process group cannot go on: every "
+                "rank was stopped and their state is lost. Call restart() for fresh ranks.",
+                dead_rank=True,
+            )
+            self.current.failure_seen = True
+            self._stop_all()
+            return
+        failed = any(w.failure is not None for w in self.current.workers)
+        if not failed or self.lost is not None:
+            return
+        now = time.monotonic()
+        if self.current.failed_at is None:
+            self.current.failed_at = now
+        # The failed rank itself is finishing (its Idle, or its post-mortem) on its own.
+        running = [w for w in self.current.workers if not w.finished and w.failure is None]
+        phase = _watchdogs.after_failure(self.current.failed_at, now)
+        if running and phase == "interrupt":
+            self._interrupt(running)
+        elif running and phase == "give up":
+            ranks = ", ".join(str(w.outcome.rank) for w in running)
+            self._give_up(
+                f"Rank{_plural(len(running))} {ranks} could not be stopped (blocked where an "
+                "interrupt does not reach, most likely a collective the failed rank never "
+                "joined), so every rank was stopped: the session was restarted with fresh "
+                "ranks and every rank's state was lost."
+            )
+
+    def _interrupt(self, running: list[Rank]) -> None:
+        """SIGINT the ranks, again every ``REPEAT_INTERRUPT`` s while they run: a rank that
+        had not yet entered its task when the first one came ignored it."""
+        now = time.monotonic()
+        if not _watchdogs.interrupt_due(self.current.interrupted, self.current.last_interrupt, now):
+            return
+        self.current.interrupted, self.current.last_interrupt = True, now
+        for worker in running:
+            if worker.prompt is not None:
+                # At a pdb prompt the rank waits for a line, not a signal: quit its debugger
+                # (a breakpoint's function raises BdbQuit; a post-mortem ends).
+                worker.prompt, worker.debugging = None, False
+                worker.send(_protocol.DebugInput("q"))
+            elif worker.process is not None and not worker.debugging:
+                worker.process.send_signal(signal.SIGINT)
+
+    def _give_up(self, reason: str) -> None:
+        self.lost = Lost(reason, dead_rank=False)
+        self.current.failure_seen = True
+        self._stop_all()
+
+    def _settle_interrupted(self) -> list[Rank]:
+        """Interrupt the running ranks and wait for them; those that did not stop."""
+        return self._settle([w for w in self.current.workers if not w.finished and w.alive])
+
+    def _settle(self, running: list[Rank]) -> list[Rank]:
+        """Interrupt ``running`` and wait until each is idle again; those that are not."""
+        self.current.interrupted = False  # the first interrupt goes now
+        self._interrupt(running)
+
+        def idle(worker: Rank) -> bool:
+            return worker.idle_task == worker.tasks_sent or not worker.alive
+
+        self._read_until(
+            lambda: all(idle(w) for w in running),
+            _watchdogs.INTERRUPT_GRACE,
+            each=lambda: self._interrupt([w for w in running if not idle(w)]),
+        )
+        return [w for w in running if not idle(w)]
+
+    def _interrupted_error(self) -> KeyboardInterrupt:
+        try:
+            stuck = self._settle_interrupted()
+        except KeyboardInterrupt:  # a second interrupt: no more waiting
+            stuck = [w for w in self.current.workers if not w.finished]
+        ranks = ", ".join(str(w.outcome.rank) for w in self.current.workers)
+        if stuck:
+            names = ", ".join(str(w.outcome.rank) for w in stuck)
+            self._give_up(
+                f"rank {names} did not stop (blocked in native code, e.g. a collective), so "
+                "every rank was stopped: the session was restarted with fresh ranks and "
+                "every rank's state was lost"
+            )
+            text = f"the cell was interrupted; {self.lost.reason if self.lost else ''}"
+        else:
+            text = (
+                f"the cell was interrupted on rank {ranks}; the session is still usable "
+                "(every rank is idle, with its state)"
+            )
+        return LaunchInterrupted(text)
+
+    def _task_timeout(self, timeout: float) -> LaunchTimeoutError:
+        live = [w for w in self.current.workers if w.alive and not w.finished]
+        frames = self._stacks(live)
+        text, stacks = _diagnosis.timeout_report(timeout, self._stuck_views(live, frames), "cell")
+        stuck = self._settle_interrupted()
+        if stuck:
+            names = ", ".join(str(w.outcome.rank) for w in stuck)
+            self._give_up(
+                f"Rank {names} did not stop when interrupted, so every rank was stopped: the "
+                "session was restarted with fresh ranks and every rank's state was lost."
+            )
+        text += "\n\n" + self._note()
+        outcomes = [w.outcome for w in self.current.workers]
+        error = LaunchTimeoutError(text, timeout, stacks, outcomes, self._logs())
+        return self._with_reports(error)
+
+
+def _plural(count: int) -> str:
+    return "s" if count > 1 else ""

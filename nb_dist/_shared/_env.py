@@ -1,0 +1,17 @@
+"""Reading nb_dist's own switches from the environment, one rule for every switch.
+
+``NB_DIST_WARM_IMPORTS=0`` and ``NB_DIST_RELEASE_OPENMP=0`` (and any later switch) are off
+with ``0``, ``false``, ``no`` or ``off`` in any case, on with anything else or when unset.
+Both sides may read a switch.
+"""
+
+from __future__ import annotations
+
+import os
+
+_OFF = frozenset({"0", "false", "no", "off"})
+
+
+def switched_off(name: str) -> bool:
+    """Whether the environment variable ``name`` turns its feature off."""
+    return os.environ.get(name, "").strip().lower() in _OFF

@@ -1,0 +1,63 @@
+"""Every wait in a teardown has a deadline: a worker that cannot be reaped is reported
+(its pid and state) and left behind, never waited for for ever (``_kernel/_processes.py``).
+
+A process in uninterruptible sleep (a wedged driver or file system) ignores SIGKILL until its
+kernel call returns; a test cannot make one, so the bounded wait is tested on a real child
+that is simply not killed yet, and the report on a real process's state.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+
+import pytest
+
+from nb_dist._kernel import _processes
+from nb_dist._kernel._processes import process_state, reap_within, report_unreaped
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def sleeper():
+    """A child in ``sleep 60``, once it sleeps (right after exec it may still be running)."""
+    child = subprocess.Popen(["sleep", "60"])
+    deadline = time.monotonic() + 30
+    while not process_state(child.pid).startswith("S"):  # sleeping, as /proc says
+        assert time.monotonic() < deadline, f"sleep 60 never slept: {process_state(child.pid)}"
+        time.sleep(0.005)
+    yield child
+    if child.returncode is None:
+        child.kill()
+        child.wait()
+
+
+def test_the_wait_for_a_running_child_ends_at_its_deadline(sleeper):
+    assert reap_within(sleeper.pid, 0.2) is None  # still running: not waited for further
+    assert process_state(sleeper.pid).startswith("S")  # still sleeping, as /proc says
+    sleeper.kill()
+    code = reap_within(sleeper.pid, None)
+    sleeper.returncode = code  # reaped here
+    assert code == -signal.SIGKILL
+
+
+def test_a_pid_that_is_not_a_child_is_not_waited_for():
+    assert reap_within(1, None) == _processes._GONE  # init is nobody's child
+
+
+def test_an_unreaped_worker_is_reported_with_its_pid_and_state(sleeper, capsys, caplog):
+    text = report_unreaped(sleeper.pid, 5.0)
+    err = capsys.readouterr().err
+    assert text in err  # in the cell (stderr), not only in a log
+    assert f"worker process {sleeper.pid} did not end within 5 s" in text
+    assert f"state: {process_state(sleeper.pid)}" in text and "left behind" in text
+    assert any(r.name == "nb_dist._kernel._processes" and r.levelname == "WARNING"
+               for r in caplog.records)  # fmt: skip
+
+
+def test_kill_and_reap_of_a_forked_worker_returns_its_signal(sleeper):
+    worker = _processes._Spawned(sleeper)
+    assert worker.kill_and_reap() == -signal.SIGKILL
+    assert sleeper.returncode == -signal.SIGKILL  # Popen knows: it will not wait again
