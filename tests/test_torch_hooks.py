@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from nb_dist import notebook_launcher
 from nb_dist._rank import _groups, _rendezvous
+from nb_dist._shared import _torch_compat
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -79,3 +80,66 @@ def test_a_torch_without_the_group_factories_keeps_nothing_and_says_so():
     group = object()
     c10d._update_default_pg(group)  # the one it has is still wrapped
     assert _groups.kept() == before + 1
+
+
+# ----------------------------------------------------------------------------- every private
+def _lookup(private: _torch_compat.Private):
+    """The private as this torch has it (``None``: missing)."""
+    if private.name in _torch_compat.INSTANCE_ATTRIBUTES:
+        # An attribute torch's class sets from its __init__'s parameter of the same name (it
+        # refuses an empty table, so the signature stands in for an instance).
+        import inspect
+
+        from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+        return inspect.signature(ChildFailedError.__init__).parameters.get(private.name)
+    module = importlib.import_module(private.module)
+    return getattr(module, private.name, None)
+
+
+@pytest.mark.parametrize(
+    "private", _torch_compat.PRIVATES, ids=[p.qualified for p in _torch_compat.PRIVATES]
+)
+def test_every_torch_private_nb_dist_uses_exists_on_this_torch(private):
+    """One canary per entry of ``_torch_compat.PRIVATES``: a torch release that renames one
+    fails here, naming what users would lose, instead of quietly switching a feature off."""
+    if _torch_compat.cuda_only(private) and not torch.backends.cuda.is_built():
+        pytest.skip(f"{private.qualified} exists on CUDA builds only (this torch is CPU-only)")
+    assert _lookup(private) is not None, (
+        f"torch {torch.__version__} has no {private.qualified} (used by nb_dist/"
+        f"{private.used_by}); without it {private.without}. Find its new name and teach "
+        "nb_dist/_shared/_torch_compat.py."
+    )
+
+
+def test_the_registry_names_every_private_the_package_reaches_for():
+    """A private reached in nb_dist's code is listed in the registry (so it has a canary)."""
+    import re
+    from pathlib import Path
+
+    listed = {p.name for p in _torch_compat.PRIVATES}
+    package = Path(_torch_compat.__file__).resolve().parent.parent
+    unlisted = set()
+    for path in package.rglob("*.py"):
+        for name in re.findall(r"[\"'.](_[a-z][a-zA-Z_]*c10d[a-zA-Z_]*|_pg_map|_set_pg_timeout"
+                               r"|_cuda_[a-zA-Z]+|_device_count_nvml|_update_default_pg"
+                               r"|_new_process_group_helper)\b", path.read_text()):  # fmt: skip
+            if name not in listed:
+                unlisted.add(f"{path.name}: {name}")
+    assert not unlisted, sorted(unlisted)
+
+
+def test_a_missing_private_degrades_and_is_logged(caplog):
+    module = types.SimpleNamespace(__name__="torch.fake")
+    with caplog.at_level("INFO", logger="nb_dist"):
+        assert _torch_compat.replace(module, "_pg_map", lambda original: original) is False
+        assert not _torch_compat.present(module, "rendezvous", "_update_default_pg")
+    assert vars(module) == {"__name__": "torch.fake"}  # nothing half-installed
+    text = caplog.text
+    assert "torch lacks torch.fake._pg_map" in text and "breakpoint" in text
+    assert "torch.fake.rendezvous" in text and "torch.fake._update_default_pg" in text
+
+
+def test_group_timeouts_say_what_they_could_not_do():
+    """Outside a process group there is nothing to lengthen; torch's map is simply empty."""
+    assert _torch_compat.set_group_timeouts(__import__("datetime").timedelta(hours=1)) == []

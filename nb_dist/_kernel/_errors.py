@@ -8,6 +8,7 @@ import types
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from .._shared import _torch_compat
 from .._shared._frames import PACKAGE_DIR
 
 try:  # what torchrun and accelerate.notebook_launcher raise when a worker fails
@@ -189,8 +190,9 @@ class WorkerFailedError(LaunchError, _ChildFailedError):
         self.root_cause = root_cause
         self.outcomes = outcomes
         self.logs = logs
-        self.name = "notebook_launcher"
-        self.failures = _process_failures(root_cause, outcomes)
+        _torch_compat.child_failed_attributes(
+            self, "notebook_launcher", _process_failures(root_cause, outcomes)
+        )
         #: The failed rank kept at its exception (``debug="postmortem"``), else ``None``.
         self.post_mortem: Any = None
 

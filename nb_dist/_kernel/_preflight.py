@@ -6,14 +6,19 @@ possible without restarting the kernel). None of these checks initializes CUDA i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import select
+import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .._shared import _torch_compat
 from .._shared._protocol import WORKER_ENV_FLAG
 from ._errors import UnsafeLaunchError
 from ._tracebacks import innermost_user_frame
@@ -169,25 +174,73 @@ def install_cuda_touch_recorder() -> None:
 
     if not _cuda_built() or getattr(torch._C, "_nb_dist_recorder", False):
         return
-    for name in ("_cuda_getDeviceCount", "_cuda_init"):
-        original = getattr(torch._C, name, None)
-        if original is None:
-            continue
 
-        def recorder(*args: Any, _original: Any = original) -> Any:
+    def recording(original: Any) -> Any:
+        def recorder(*args: Any) -> Any:
             global _first_cuda_touch
             if _first_cuda_touch is None:
                 frames = traceback.extract_stack()[:-1]
                 _first_cuda_touch = [(f.filename, f.lineno or 0, f.name) for f in frames]
-            return _original(*args)
+            return original(*args)
 
-        setattr(torch._C, name, recorder)
+        return recorder
+
+    _torch_compat.wrap_cuda_entry_points(torch, recording)
     setattr(torch._C, "_nb_dist_recorder", True)  # noqa: B010 - marks torch._C as wrapped
 
 
 def cuda_touched() -> bool:
     """Whether anything in this process has counted or initialized CUDA devices yet."""
     return _first_cuda_touch is not None
+
+
+#: How long the throw-away child that counts GPUs may take (a wedged driver never answers).
+PROBE_WITHIN = 30.0
+
+
+def ask_in_child(ask: Callable[[], dict[str, Any]], within: float) -> dict[str, Any] | None:
+    """Run ``ask`` in a forked child and return its answer (JSON); ``None`` if it does not
+    answer within ``within`` s (the child is then killed and reaped) or its answer is broken.
+
+    The kernel never runs ``ask`` itself: what it touches (the CUDA driver) stays untouched
+    here.
+    """
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the throw-away child: answer and leave, nothing else
+        try:
+            os.close(read_fd)
+            os.write(write_fd, json.dumps(ask()).encode())
+        finally:
+            os._exit(0)
+    os.close(write_fd)
+    deadline = time.monotonic() + within
+    chunks: list[bytes] = []
+    answered = False
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            ready, _, _ = select.select([read_fd], [], [], left)
+            if not ready:
+                break
+            chunk = os.read(read_fd, 65536)
+            if not chunk:  # EOF: the child wrote its answer and left
+                answered = True
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(read_fd)
+        if not answered:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)  # a killed child (or one that answered) ends at once
+    if not answered:
+        return None
+    try:
+        answer = json.loads(b"".join(chunks) or b"{}")
+    except ValueError:
+        return None
+    return answer if isinstance(answer, dict) else None
 
 
 @dataclass
@@ -209,41 +262,24 @@ def probe_cuda() -> CudaState:
         return CudaState(gpus=0, poisoned=False, where=None)
     import torch
 
-    read_fd, write_fd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the throw-away child: report and leave, nothing else
-        try:
-            os.close(read_fd)
-            bad = bool(getattr(torch._C, "_cuda_isInBadFork", lambda: False)())
-            count = -1
-            if not bad:
-                count = int(torch.cuda.device_count())
-            os.write(write_fd, json.dumps({"bad": bad, "count": count}).encode())
-        finally:
-            os._exit(0)
-    os.close(write_fd)
-    chunks = []
-    deadline = time.monotonic() + 30
-    with os.fdopen(read_fd, "rb") as reader:
-        chunks.append(reader.read())
-    while time.monotonic() < deadline:
-        done, _ = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        time.sleep(0.005)
-    else:  # pragma: no cover - a wedged driver
-        os.kill(pid, 9)
-        os.waitpid(pid, 0)
-    try:
-        report = json.loads(b"".join(chunks) or b"{}")
-    except ValueError:
-        report = {}
+    def ask() -> dict[str, Any]:  # in the throw-away child
+        bad = _torch_compat.in_bad_fork(torch)
+        return {"bad": bad, "count": -1 if bad else int(torch.cuda.device_count())}
+
+    report = ask_in_child(ask, PROBE_WITHIN)
+    if report is None:
+        raise UnsafeLaunchError(
+            f"Checking this machine's GPUs took more than {PROBE_WITHIN:g} s: a throw-away "
+            "process that asked the CUDA driver how many GPUs there are did not answer, so the "
+            "driver may be stuck (every launch would hang at its first CUDA call). Check the "
+            "GPUs with nvidia-smi, or launch with device='cpu' to run on the CPU without "
+            "asking the driver."
+        )
     initialized: Any = torch.cuda.is_initialized  # untyped in torch
     poisoned = bool(report.get("bad")) or bool(initialized())
     count = int(report.get("count", -1))
     if count < 0:
-        nvml = getattr(torch.cuda, "_device_count_nvml", None)
-        count = max(0, nvml()) if nvml else 0
+        count = _torch_compat.gpus_from_nvml(torch)
     where = innermost_user_frame(_first_cuda_touch) if _first_cuda_touch else None
     return CudaState(gpus=count, poisoned=poisoned, where=where)
 

@@ -28,7 +28,7 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
 
-from .._shared import _protocol
+from .._shared import _protocol, _torch_compat
 from .._shared._frames import from_user_code
 
 #: How long other ranks may wait in a collective for a rank paused in the debugger.
@@ -166,10 +166,7 @@ def breakpoint(rank: int = 0) -> None:
         return
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
-        c10d = dist.distributed_c10d
-        for group in list(c10d._pg_map):
-            with contextlib.suppress(Exception):
-                c10d._set_pg_timeout(PAUSE_TIMEOUT, group)
+        _torch_compat.set_group_timeouts(PAUSE_TIMEOUT)  # what it cannot do, it logs
         # Every rank meets here; the others then wait for the paused one in its next collective.
         dist.barrier()
     if _state.rank == rank:

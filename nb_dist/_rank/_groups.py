@@ -18,8 +18,9 @@ need never be destroyed at all: a reference to each one is kept here from its cr
 from __future__ import annotations
 
 import functools
-import importlib
 from typing import Any
+
+from .._shared import _torch_compat
 
 #: The functions wrapped, in ``torch.distributed.distributed_c10d``: every group is made by the
 #: first (the default one and ``new_group``'s), and the default one is also passed to the
@@ -39,21 +40,20 @@ def install(c10d: Any = None) -> list[str]:
 
     ``c10d`` is ``torch.distributed.distributed_c10d`` unless given (tests give a stand-in)."""
     if c10d is None:
-        try:
-            c10d = importlib.import_module("torch.distributed.distributed_c10d")
-        except ImportError:  # pragma: no cover - torch without distributed support
+        c10d = _torch_compat.c10d()
+        if c10d is None:  # pragma: no cover - torch without distributed support
             return []
-    missing = []
-    for name in HOOKED:
-        original = getattr(c10d, name, None)
-        if original is None:
-            missing.append(f"torch.distributed.distributed_c10d.{name}")
-        elif not getattr(original, "_nb_dist_keeps", False):
-            setattr(c10d, name, _keeping(original))
-    return missing
+    return [
+        f"torch.distributed.distributed_c10d.{name}"
+        for name in HOOKED
+        if not _torch_compat.replace(c10d, name, _keeping)
+    ]
 
 
 def _keeping(original: Any) -> Any:
+    if getattr(original, "_nb_dist_keeps", False):
+        return original  # installed already
+
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         result = original(*args, **kwargs)

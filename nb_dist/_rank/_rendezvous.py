@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import logging
 import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from .._shared import _torch_compat
 from .._shared._net import is_loopback
 from .._shared._protocol import Message, Rendezvous
 
@@ -67,15 +67,17 @@ def install(send: Send, launch_host: str, launch_port: int) -> list[str]:
 
         if not dist.is_available():
             return []
-        # By module path: ``torch.distributed.rendezvous`` as an attribute is the function.
-        c10d = importlib.import_module("torch.distributed.distributed_c10d")
-        rendezvous_module = importlib.import_module("torch.distributed.rendezvous")
     except ImportError:  # pragma: no cover - torch without distributed support
         return []
+    # By module path: ``torch.distributed.rendezvous`` as an attribute is the function.
+    c10d = _torch_compat.c10d()
+    rendezvous_module = _torch_compat.module("torch.distributed.rendezvous")
     missing = []
-    if not _wrap_store_factory(rendezvous_module, launch_host, launch_port):
+    if rendezvous_module is None or not _wrap_store_factory(
+        rendezvous_module, launch_host, launch_port
+    ):
         missing.append("torch.distributed.rendezvous._create_c10d_store")
-    if not _wrap_rendezvous(c10d, send):
+    if c10d is None or not _wrap_rendezvous(c10d, send):
         missing.append("torch.distributed.distributed_c10d.rendezvous/_update_default_pg")
     if missing:
         logging.getLogger("nb_dist").info(
@@ -84,13 +86,16 @@ def install(send: Send, launch_host: str, launch_port: int) -> list[str]:
     return missing
 
 
-def _wrap_store_factory(module: Any, launch_host: str, launch_port: int) -> bool:
+def _wrap_store_factory(module: Any, host: str, port: int) -> bool:
     """Wrap ``module._create_c10d_store``; whether it is wrapped (``False``: torch lacks it)."""
-    original = getattr(module, "_create_c10d_store", None)
-    if original is None:
-        return False
+    return _torch_compat.replace(
+        module, "_create_c10d_store", lambda original: _store_factory(original, host, port)
+    )
+
+
+def _store_factory(original: Any, launch_host: str, launch_port: int) -> Any:
     if getattr(original, "_nb_dist_hook", False):
-        return True
+        return original  # installed already
 
     @functools.wraps(original)
     def create_store(hostname: str, port: int, *args: Any, **kwargs: Any) -> Any:
@@ -106,16 +111,14 @@ def _wrap_store_factory(module: Any, launch_host: str, launch_port: int) -> bool
             os.environ[_AGENT_STORE] = "True"
 
     create_store._nb_dist_hook = True  # type: ignore[attr-defined]
-    module._create_c10d_store = create_store
-    return True
+    return create_store
 
 
 def _wrap_rendezvous(c10d: Any, send: Send) -> bool:
     """Wrap ``rendezvous`` and ``_update_default_pg`` (both or neither); whether they are."""
-    rendezvous = getattr(c10d, "rendezvous", None)
-    update = getattr(c10d, "_update_default_pg", None)
-    if rendezvous is None or update is None:
+    if not _torch_compat.present(c10d, "rendezvous", "_update_default_pg"):
         return False
+    rendezvous, update = c10d.rendezvous, c10d._update_default_pg
     if getattr(rendezvous, "_nb_dist_hook", False):
         return True
 
@@ -135,8 +138,8 @@ def _wrap_rendezvous(c10d: Any, send: Send) -> bool:
         return result
 
     entering._nb_dist_hook = True  # type: ignore[attr-defined]
-    c10d.rendezvous = entering
-    c10d._update_default_pg = updated
+    _torch_compat.replace(c10d, "rendezvous", lambda _: entering)
+    _torch_compat.replace(c10d, "_update_default_pg", lambda _: updated)
     return True
 
 

@@ -55,13 +55,14 @@ import functools
 import mmap
 import os
 import struct
-import sys
 import tempfile
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
+
+from . import _torch_compat
 
 #: The collectives counted, in a fixed order: the file stores an index into this tuple, so
 #: a name is only ever appended. Names the installed torch lacks are skipped by install().
@@ -236,9 +237,7 @@ def _dynamo_remaps() -> dict[Any, Any]:
 
     Loaded later, it is built from the names as they are then: the wrappers.
     """
-    module = sys.modules.get("torch.distributed._functional_collectives")
-    remaps = getattr(module, "traceable_collective_remaps", None)
-    return remaps if isinstance(remaps, dict) else {}
+    return _torch_compat.collective_remaps()
 
 
 def _detach() -> None:
