@@ -12,7 +12,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -416,11 +415,21 @@ def test_probe_cuda_on_cpu_build_is_quick_and_clean():
     """On a CPU build of torch, probe_cuda reports no GPU and no poisoning, without forking."""
     if torch.version.cuda or getattr(torch.version, "hip", None):
         pytest.skip("torch is built with CUDA/ROCm")
-    began = time.monotonic()
+    forks_before = _FORKS[0]
     state = nb_dist._kernel._preflight.probe_cuda()
-    elapsed = time.monotonic() - began
     assert (state.gpus, state.poisoned, state.where) == (0, False, None)
-    assert elapsed < 0.5
+    assert _FORKS[0] == forks_before  # nothing forked: no throw-away child on a CPU build
+
+
+# Every os.fork of this test process, counted (the probe above must not fork on a CPU build).
+_FORKS = [0]
+
+
+def _count_fork() -> None:
+    _FORKS[0] += 1
+
+
+os.register_at_fork(before=_count_fork)
 
 
 _POISONED_SCRIPT = textwrap.dedent(
