@@ -95,3 +95,15 @@ def test_a_failed_warm_import_is_logged_not_swallowed(tmp_path, monkeypatch, cap
     assert name not in _warm.imported()
     messages = [r.getMessage() for r in caplog.records if r.name.startswith("nb_dist")]
     assert any(name in m and "broken on purpose" in m for m in messages), messages
+
+
+def test_a_warm_import_that_does_not_finish_is_given_up_on_not_waited_for(slow_module):
+    """An import stuck for ever must not hang every later fork: past the limit the wait
+    ends, warming is switched off, and the next launch says so."""
+    name, folder = slow_module
+    _warm.schedule([name])
+    _wait_for(folder / "started")
+    assert _warm.wait(limit=0.3) >= 0.3  # returned at the limit; the import still runs
+    assert not _warm.enabled(True)
+    notice = _warm.take_notice()
+    assert notice is not None and name in notice and "did not finish" in notice

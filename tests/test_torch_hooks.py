@@ -143,3 +143,18 @@ def test_a_missing_private_degrades_and_is_logged(caplog):
 def test_group_timeouts_say_what_they_could_not_do():
     """Outside a process group there is nothing to lengthen; torch's map is simply empty."""
     assert _torch_compat.set_group_timeouts(__import__("datetime").timedelta(hours=1)) == []
+
+
+def _lengthen_with_a_bad_value() -> list[str]:
+    dist.init_process_group("gloo")
+    good = _torch_compat.set_group_timeouts(__import__("datetime").timedelta(hours=1))
+    bad = _torch_compat.set_group_timeouts("one hour")  # type: ignore[arg-type]
+    return [len(good), len(bad), bad[0] if bad else ""]
+
+
+def test_a_group_timeout_that_cannot_be_set_is_reported_not_swallowed():
+    """In a rank with a real group: a timedelta is taken; a value torch refuses is reported
+    (and logged) for that group, where a suppressed exception used to hide it."""
+    good, bad, text = notebook_launcher(_lengthen_with_a_bad_value, num_processes=1)[0]
+    assert good == 0
+    assert bad >= 1 and "Error" in text, text

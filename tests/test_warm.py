@@ -19,7 +19,8 @@ from nb_dist._shared._imports import MAX_NAMES, worth_importing
 SCRIPT = """
 import json, os, sys
 import torch, torch.nn as nn, torch.distributed as dist
-from nb_dist import notebook_launcher, _warm
+from nb_dist import notebook_launcher
+from nb_dist._kernel import _warm
 
 def ddp():
     had = "torch._dynamo" in sys.modules      # inherited from the kernel?

@@ -34,8 +34,11 @@ from .._shared._env import switched_off
 from . import _openmp, _preflight
 
 ENV = "NB_DIST_WARM_IMPORTS"
+#: The longest a fork or a launch waits for a warm import (a few seconds is usual).
+WAIT_LIMIT = 60.0
 _log = logging.getLogger(__name__)
 _thread: threading.Thread | None = None
+_importing: str | None = None  # the module the background thread is importing now
 _disabled_because: str | None = None
 _imported: list[str] = []
 _lock = threading.Lock()
@@ -60,13 +63,22 @@ def schedule(names: Iterable[str]) -> None:
     _thread.start()
 
 
-def wait() -> float:
-    """Block until a running warm import has finished; the seconds waited."""
+def wait(limit: float | None = None) -> float:
+    """Block until a running warm import has finished, at most ``limit`` s (default
+    :data:`WAIT_LIMIT`); the seconds waited. An import still running then is given up on:
+    warming is switched off (with a notice at the next launch) instead of waiting for ever."""
+    global _disabled_because
     thread = _thread
-    if thread is None or not thread.is_alive():
+    if thread is None or not thread.is_alive() or thread is threading.current_thread():
         return 0.0
     began = time.monotonic()
-    thread.join()
+    thread.join(WAIT_LIMIT if limit is None else limit)
+    if thread.is_alive():
+        name = _importing or "a module"
+        _disabled_because = (
+            f"importing {name} did not finish within {time.monotonic() - began:.0f} s"
+        )
+        _log.warning("warm import of %s is still running; not waiting for it", name)
     return time.monotonic() - began
 
 
@@ -90,10 +102,11 @@ def imported() -> list[str]:
 
 
 def _import_all(names: list[str]) -> None:
-    global _disabled_because
+    global _disabled_because, _importing
     for name in names:
         threads_before = _openmp.thread_count()
         touched_before = _preflight.cuda_touched()
+        _importing = name
         try:
             importlib.import_module(name)
         except (Exception, SystemExit) as exc:  # the next launch's ranks import it themselves
@@ -112,9 +125,7 @@ def _import_all(names: list[str]) -> None:
 def _before_fork() -> None:
     """Every ``os.fork`` in the kernel waits for a running warm import (not the import's own
     thread: a module that forks while it is imported must not wait for itself)."""
-    thread = _thread
-    if thread is not None and thread.is_alive() and thread is not threading.current_thread():
-        thread.join()
+    wait()
 
 
 os.register_at_fork(before=_before_fork)
