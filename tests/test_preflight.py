@@ -12,8 +12,10 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 import torch.distributed as dist
@@ -419,6 +421,52 @@ def test_probe_cuda_on_cpu_build_is_quick_and_clean():
     state = nb_dist._kernel._preflight.probe_cuda()
     assert (state.gpus, state.poisoned, state.where) == (0, False, None)
     assert _FORKS[0] == forks_before  # nothing forked: no throw-away child on a CPU build
+
+
+def _wedged_driver(torch_module, in_bad_fork):
+    """Stands in for the GPU count in the probe's child: a driver call that never returns."""
+    time.sleep(600)
+    return {}
+
+
+def _zombies_and_children() -> set[int]:
+    """This process's children, zombies (ended, not reaped) included."""
+    return {child.pid for child in psutil.Process().children()}
+
+
+def test_a_wedged_driver_is_refused_at_the_probes_deadline_and_its_child_is_gone(monkeypatch):
+    """A real throw-away child that never answers (it sleeps where it would ask the driver):
+    probe_cuda returns at its deadline with a refusal that says what to do, and the child is
+    killed and reaped (not even a zombie is left)."""
+    probe = nb_dist._kernel._preflight
+    monkeypatch.setattr(probe, "_cuda_built", lambda: True)  # probe on a CPU build as on CUDA
+    monkeypatch.setattr(probe, "_count_gpus", _wedged_driver)
+    monkeypatch.setattr(probe, "PROBE_WITHIN", 0.5)  # the deadline _plan's call gets
+    before = _zombies_and_children()
+    began = time.monotonic()
+    with pytest.raises(UnsafeLaunchError) as info:
+        probe.probe_cuda()
+    took = time.monotonic() - began
+    assert took < 0.5 + probe.REAP_WITHIN, f"returned after {took:.1f} s, not at its deadline"
+    _assert_mentions(
+        str(info.value), "took more than 0.5 s", "did not answer", "nvidia-smi", "device='cpu'"
+    )
+    assert _zombies_and_children() == before
+
+
+def test_the_probe_deadline_can_be_given_per_call_and_an_answer_within_it_is_used(monkeypatch):
+    """A child that answers in time is read and reaped; ``within`` overrides the constant."""
+    probe = nb_dist._kernel._preflight
+    monkeypatch.setattr(probe, "_cuda_built", lambda: True)
+    monkeypatch.setattr(probe, "_count_gpus", lambda torch_module, bad: {"bad": False, "count": 3})
+    before = _zombies_and_children()
+    state = probe.probe_cuda(within=20.0)
+    assert (state.gpus, state.poisoned) == (3, False)
+    assert _zombies_and_children() == before  # a child that answered is reaped too
+    monkeypatch.setattr(probe, "_count_gpus", _wedged_driver)
+    with pytest.raises(UnsafeLaunchError, match=r"took more than 0\.25 s"):
+        probe.probe_cuda(within=0.25)
+    assert _zombies_and_children() == before
 
 
 # Every os.fork of this test process, counted (the probe above must not fork on a CPU build).

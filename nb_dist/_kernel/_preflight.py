@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import select
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -21,6 +23,7 @@ from typing import Any
 from .._shared import _torch_compat
 from .._shared._protocol import WORKER_ENV_FLAG
 from ._errors import UnsafeLaunchError
+from ._processes import REAP_WITHIN, process_state, reap_within
 from ._tracebacks import innermost_user_frame
 
 START_METHODS = ("fork", "spawn", "forkserver")
@@ -28,6 +31,7 @@ DEVICES = ("auto", "cpu", "cuda")
 
 # Where CUDA was first touched in this process, recorded by install_cuda_touch_recorder().
 _first_cuda_touch: list[tuple[str, int, str]] | None = None
+_log = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------ arguments
@@ -172,7 +176,7 @@ def install_cuda_touch_recorder() -> None:
     """
     import torch
 
-    if not _cuda_built() or getattr(torch._C, "_nb_dist_recorder", False):
+    if not _cuda_built():
         return
 
     def recording(original: Any) -> Any:
@@ -185,8 +189,7 @@ def install_cuda_touch_recorder() -> None:
 
         return recorder
 
-    _torch_compat.wrap_cuda_entry_points(torch, recording)
-    setattr(torch._C, "_nb_dist_recorder", True)  # noqa: B010 - marks torch._C as wrapped
+    _torch_compat.wrap_cuda_entry_points(torch, recording)  # once per process
 
 
 def cuda_touched() -> bool:
@@ -200,10 +203,12 @@ PROBE_WITHIN = 30.0
 
 def ask_in_child(ask: Callable[[], dict[str, Any]], within: float) -> dict[str, Any] | None:
     """Run ``ask`` in a forked child and return its answer (JSON); ``None`` if it does not
-    answer within ``within`` s (the child is then killed and reaped) or its answer is broken.
+    answer within ``within`` s (the child is then killed and reaped). A child that fails, or
+    whose answer is broken, gives ``{}``: it answered, with nothing.
 
     The kernel never runs ``ask`` itself: what it touches (the CUDA driver) stays untouched
-    here.
+    here. The pipe is read with ``select`` so the deadline holds even when the child never
+    writes or never exits.
     """
     read_fd, write_fd = os.pipe()
     pid = os.fork()
@@ -223,24 +228,46 @@ def ask_in_child(ask: Callable[[], dict[str, Any]], within: float) -> dict[str, 
             if not ready:
                 break
             chunk = os.read(read_fd, 65536)
-            if not chunk:  # EOF: the child wrote its answer and left
+            if not chunk:  # EOF: the child wrote its answer and closed the pipe by leaving
                 answered = True
                 break
             chunks.append(chunk)
     finally:
         os.close(read_fd)
-        if not answered:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, 0)  # a killed child (or one that answered) ends at once
+        _end_child(pid, kill=not answered)
     if not answered:
         return None
     try:
         answer = json.loads(b"".join(chunks) or b"{}")
     except ValueError:
-        return None
-    return answer if isinstance(answer, dict) else None
+        return {}
+    return answer if isinstance(answer, dict) else {}
+
+
+def _end_child(pid: int, kill: bool) -> None:
+    """Reap the throw-away child (killed first if ``kill``) without waiting on it forever.
+
+    A process inside a wedged driver can be in uninterruptible sleep, where even SIGKILL
+    waits until the driver call returns (closing the driver at exit can wedge too). Then it is
+    left to a daemon thread that reaps it whenever it ends, so the cell is not held.
+    """
+    if not kill and reap_within(pid, REAP_WITHIN) is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    if reap_within(pid, REAP_WITHIN) is not None:
+        return
+    _log.warning(
+        "The throw-away process %d that asked the CUDA driver about the GPUs did not end "
+        "within %g s of SIGKILL (state: %s); it is reaped in the background when the driver "
+        "lets it go. If it stays, check the GPUs with nvidia-smi.",
+        pid,
+        REAP_WITHIN,
+        process_state(pid),
+    )
+    threading.Thread(
+        target=reap_within, args=(pid, None), name=f"nb_dist-reap-{pid}", daemon=True
+    ).start()
 
 
 @dataclass
@@ -250,30 +277,36 @@ class CudaState:
     where: str | None
 
 
-def probe_cuda() -> CudaState:
+def _count_gpus(torch: Any, in_bad_fork: Callable[[], bool]) -> dict[str, Any]:
+    """In the throw-away child: whether it is in a bad fork, and how many GPUs CUDA sees."""
+    bad = in_bad_fork()
+    return {"bad": bad, "count": -1 if bad else int(torch.cuda.device_count())}
+
+
+def probe_cuda(within: float | None = None) -> CudaState:
     """Count visible GPUs and find out whether fork is already poisoned, without touching CUDA.
 
     ``torch.cuda.is_initialized()`` misses the commonest poisoning (``is_available()`` without
     NVML poisons fork without initializing), and torch's own bad-fork flag is only
     set in a child. So fork a throw-away child that asks torch whether it is in a bad fork and
-    counts the devices, and exits. Milliseconds, and skipped entirely on CPU builds.
+    counts the devices, and exits. Milliseconds, and skipped entirely on CPU builds. A child
+    that does not answer within ``within`` s (:data:`PROBE_WITHIN` unless given: a wedged
+    driver) is killed and the launch refused, instead of every launch hanging in silence.
     """
     if not _cuda_built():
         return CudaState(gpus=0, poisoned=False, where=None)
     import torch
 
-    def ask() -> dict[str, Any]:  # in the throw-away child
-        bad = _torch_compat.in_bad_fork(torch)
-        return {"bad": bad, "count": -1 if bad else int(torch.cuda.device_count())}
-
-    report = ask_in_child(ask, PROBE_WITHIN)
+    limit = PROBE_WITHIN if within is None else within
+    in_bad_fork = _torch_compat.bad_fork_check(torch)  # looked up here: a lack is logged here
+    report = ask_in_child(lambda: _count_gpus(torch, in_bad_fork), limit)
     if report is None:
         raise UnsafeLaunchError(
-            f"Checking this machine's GPUs took more than {PROBE_WITHIN:g} s: a throw-away "
-            "process that asked the CUDA driver how many GPUs there are did not answer, so the "
-            "driver may be stuck (every launch would hang at its first CUDA call). Check the "
-            "GPUs with nvidia-smi, or launch with device='cpu' to run on the CPU without "
-            "asking the driver."
+            f"Checking this machine's GPUs took more than {limit:g} s: a throw-away process "
+            "that asked the CUDA driver how many GPUs there are did not answer, so the driver "
+            "may be stuck (every launch would hang at its first CUDA call). Check the GPUs "
+            "with nvidia-smi (if it hangs too, the driver needs an administrator or a "
+            "reboot), or launch with device='cpu' to run on the CPU without asking the driver."
         )
     initialized: Any = torch.cuda.is_initialized  # untyped in torch
     poisoned = bool(report.get("bad")) or bool(initialized())

@@ -155,8 +155,10 @@ def breakpoint(rank: int = 0) -> None:
     Call it in a launched function or a live-ranks task, on every rank (like a collective).
     Every rank's process-group timeout is raised to an hour (as
     ``torch.distributed.breakpoint`` does), so ranks that wait for the paused one in a
-    collective do not time out while you look around. Type ``c`` to go on, ``q`` to stop the
-    function with ``BdbQuit``. Outside a launch it is Python's ``breakpoint()``.
+    collective do not time out while you look around (a group whose timeout torch does not
+    let change keeps its own; that is logged on ``nb_dist._shared._torch_compat``). Type
+    ``c`` to go on, ``q`` to stop the function with ``BdbQuit``. Outside a launch it is
+    Python's ``breakpoint()``.
     """
     if isinstance(rank, bool) or not isinstance(rank, int):
         raise TypeError(f"breakpoint(rank={rank!r}): rank must be an int, e.g. rank=0.")

@@ -24,7 +24,8 @@ from .._shared import _torch_compat
 
 #: The functions wrapped, in ``torch.distributed.distributed_c10d``: every group is made by the
 #: first (the default one and ``new_group``'s), and the default one is also passed to the
-#: second; either is enough for the default group.
+#: second; either is enough for the default group. Both are torch privates, listed (with what
+#: is lost without them) in ``_torch_compat.PRIVATES``.
 HOOKED = ("_new_process_group_helper", "_update_default_pg")
 
 _kept: list[Any] = []
@@ -36,7 +37,8 @@ def kept() -> int:
 
 
 def install(c10d: Any = None) -> list[str]:
-    """Keep every process group this rank creates; the hooks this torch lacks (names).
+    """Keep every process group this rank creates; the hooks this torch lacks (names, each
+    also logged by ``_torch_compat``).
 
     ``c10d`` is ``torch.distributed.distributed_c10d`` unless given (tests give a stand-in)."""
     if c10d is None:

@@ -16,8 +16,9 @@ up, so the kernel can stop a rendezvous that will never complete (a rank that ne
 Both hooks wrap torch functions that are looked up by name at call time
 (``torch.distributed.rendezvous._create_c10d_store``, and ``rendezvous`` /
 ``_update_default_pg`` in ``distributed_c10d``), so they also apply to an
-``init_process_group`` imported before the launch. Where a torch version lacks one of them,
-that hook is simply not installed.
+``init_process_group`` imported before the launch. They are private to torch and reached
+through ``_shared/_torch_compat.py``: where a torch version lacks one of them, that hook is not
+installed and the launch runs without it (logged, see :func:`install`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ _AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
 
 Send = Callable[[Message], None]
 
+_log = logging.getLogger(__name__)
+
 
 def _same_host(a: str, b: str) -> bool:
     if a == b:
@@ -45,9 +48,9 @@ def _same_host(a: str, b: str) -> bool:
     return is_loopback(a) and is_loopback(b)
 
 
-#: The torch functions the hooks wrap, by module. A torch release that renames one switches
-#: its feature off (see :func:`install`); tests/test_torch_hooks.py fails loudly when the
-#: tested torch lacks one.
+#: The torch functions the hooks wrap, by module (each listed in ``_torch_compat.PRIVATES``).
+#: A torch release that renames one switches its feature off (see :func:`install`);
+#: tests/test_torch_hooks.py fails loudly when the tested torch lacks one.
 HOOKED = {
     "torch.distributed.rendezvous": ("_create_c10d_store",),
     "torch.distributed.distributed_c10d": ("rendezvous", "_update_default_pg"),
@@ -58,7 +61,7 @@ def install(send: Send, launch_host: str, launch_port: int) -> list[str]:
     """Install both hooks in this worker (idempotent); ``send`` delivers a control message.
 
     Returns the hooks that this torch does not allow (``module.function`` names), logged on
-    the ``nb_dist`` logger. Without them a launch still runs: a rendezvous that cannot
+    this module's logger. Without them a launch still runs: a rendezvous that cannot
     complete is then stopped by the launch's ``timeout`` instead of within seconds, and a
     function that picks its own address must pick the launcher's.
     """
@@ -80,8 +83,11 @@ def install(send: Send, launch_host: str, launch_port: int) -> list[str]:
     if c10d is None or not _wrap_rendezvous(c10d, send):
         missing.append("torch.distributed.distributed_c10d.rendezvous/_update_default_pg")
     if missing:
-        logging.getLogger("nb_dist").info(
-            "this torch has no %s: the rendezvous hooks are off", ", ".join(missing)
+        _log.info(
+            "this torch has no %s, so those rendezvous hooks are off: a rendezvous that cannot "
+            "complete is stopped by the launch's timeout instead of within seconds, and code "
+            "that picks its own rendezvous address must use MASTER_ADDR and MASTER_PORT.",
+            ", ".join(missing),
         )
     return missing
 
@@ -116,9 +122,10 @@ def _store_factory(original: Any, launch_host: str, launch_port: int) -> Any:
 
 def _wrap_rendezvous(c10d: Any, send: Send) -> bool:
     """Wrap ``rendezvous`` and ``_update_default_pg`` (both or neither); whether they are."""
-    if not _torch_compat.present(c10d, "rendezvous", "_update_default_pg"):
+    found = _torch_compat.lookup(c10d, "rendezvous", "_update_default_pg")
+    if found is None:
         return False
-    rendezvous, update = c10d.rendezvous, c10d._update_default_pg
+    rendezvous, update = found
     if getattr(rendezvous, "_nb_dist_hook", False):
         return True
 

@@ -212,10 +212,9 @@ def install(path: str) -> None:
 def _patch() -> None:
     import torch.distributed as dist
 
-    if not dist.is_available():
+    c10d = _torch_compat.c10d() if dist.is_available() else None
+    if c10d is None:
         return
-    from torch.distributed import distributed_c10d as c10d
-
     for index, name in enumerate(NAMES):
         original = getattr(c10d, name, None) or getattr(dist, name, None)
         if original is None:
