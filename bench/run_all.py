@@ -47,6 +47,7 @@ BENCHMARKS = (
     "collective_counter",
     "debug_entry",
     "live_ranks",
+    "group_teardown_hang",
 )
 README = ROOT / "README.md"
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
