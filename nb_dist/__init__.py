@@ -21,6 +21,7 @@ from ._kernel._errors import (
 from ._kernel._launcher import notebook_launcher
 from ._kernel._preflight import install_cuda_touch_recorder as _install_cuda_touch_recorder
 from ._kernel._result import LaunchResult
+from ._kernel._scripts import run_script
 from ._live._magic import load_ipython_extension
 from ._live._per_rank import per_rank
 from ._live._ranks import Ranks, SessionError
@@ -95,6 +96,7 @@ __all__ = [
     "rank",
     "rank_color",
     "report",
+    "run_script",
     "world_size",
 ]
 

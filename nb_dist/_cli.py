@@ -1,4 +1,5 @@
-"""``nb-dist`` command line: ``nb-dist demo`` trains a small DDP model through the launcher."""
+"""``nb-dist`` command line: ``nb-dist demo`` trains a small DDP model through the launcher;
+``nb-dist run -n 2 train.py ARGS`` runs a torchrun script with nb_dist's reports."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 import sys
 
 from . import __version__
+from ._kernel import _scripts
 from ._kernel._errors import LaunchError, UnsafeLaunchError
 
 
@@ -50,11 +52,20 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         metavar="K",
         help="make rank K raise in the 2nd epoch, to see how a failure is reported",
     )
+    run = commands.add_parser(
+        "run",
+        help="run a torchrun script on N local ranks, with rank-labelled output and reports",
+        description=_scripts.DESCRIPTION + " The exit status is 0 when every rank ended well, "
+        "1 when a rank failed or the run timed out, 2 for bad arguments, 130 on Ctrl-C.",
+    )
+    _scripts.add_options(run)
     return parser
 
 
 def main(argv: list[str] | None = None, prog: str = "nb-dist") -> int:
     args = _parser(prog).parse_args(argv)
+    if args.command == "run":
+        return _run(args, f"{prog} run")
     from ._demo import run_demo  # imports torch: keep --help and --version fast
 
     try:
@@ -73,3 +84,19 @@ def main(argv: list[str] | None = None, prog: str = "nb-dist") -> int:
         print(f"{prog}: the demo failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     return 0 if summary.params_identical else 1
+
+
+def _run(args: argparse.Namespace, prog: str) -> int:
+    """``nb-dist run``: the script's launch; the exit status says how it went."""
+    try:
+        _scripts.run_parsed(args)
+    except (UnsafeLaunchError, ValueError, TypeError, OSError) as exc:  # refused: nothing ran
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    except LaunchError as exc:  # a rank failed, or the run timed out: the report is the message
+        print(f"{prog}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt as exc:  # every rank was stopped
+        print(f"{prog}: interrupted: {exc}", file=sys.stderr)
+        return 130
+    return 0

@@ -6,7 +6,10 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import time
+from pathlib import Path
 
 import psutil
 
@@ -48,3 +51,41 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def release_fifo(fifo: Path, within: float = 30.0) -> None:
+    """Write to ``fifo`` once its reader has it open (the reader's read() then returns)."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            break
+        except OSError as exc:  # ENXIO: no reader yet
+            if exc.errno != errno.ENXIO or time.monotonic() > deadline:
+                raise
+            time.sleep(0.005)
+    try:
+        os.write(fd, b"go")
+    finally:
+        os.close(fd)
+
+
+class OnWrite:
+    """A stream that writes through to ``stream`` and calls ``then()`` the first time a write
+    contains ``marker``. As sys.stderr it sees the launcher's notices as they are written."""
+
+    def __init__(self, stream, marker: str, then) -> None:
+        self._stream, self._marker, self._then = stream, marker, then
+        self.fired = False
+        self.seen: list[str] = []  # every write, in order
+
+    def write(self, text: str) -> int:
+        self.seen.append(text)
+        written = self._stream.write(text)
+        if not self.fired and self._marker in text:
+            self.fired = True
+            self._then()
+        return written
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)

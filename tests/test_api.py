@@ -43,6 +43,7 @@ PUBLIC = [
     "rank",
     "rank_color",
     "report",
+    "run_script",
     "world_size",
 ]
 

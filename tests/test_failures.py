@@ -7,7 +7,6 @@ that no worker outlives the launch.
 from __future__ import annotations
 
 import ctypes
-import errno
 import os
 import signal
 import socket
@@ -18,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from process_helpers import assert_all_gone
+from process_helpers import OnWrite, assert_all_gone, release_fifo
 
 from nb_dist import LaunchTimeoutError, WorkerFailedError, notebook_launcher
 
@@ -82,42 +81,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _release(fifo: Path, within: float = 30.0) -> None:
-    """Write to ``fifo`` once its reader has it open (the reader's read() then returns)."""
-    deadline = time.monotonic() + within
-    while True:
-        try:
-            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
-            break
-        except OSError as exc:  # ENXIO: no reader yet
-            if exc.errno != errno.ENXIO or time.monotonic() > deadline:
-                raise
-            time.sleep(0.005)
-    try:
-        os.write(fd, b"go")
-    finally:
-        os.close(fd)
-
-
-class _OnWrite:
-    """A stream that writes through to ``stream`` and calls ``then()`` the first time a write
-    contains ``marker``. As sys.stderr it sees the launcher's notices as they are written."""
-
-    def __init__(self, stream, marker: str, then) -> None:
-        self._stream, self._marker, self._then = stream, marker, then
-        self.fired = False
-
-    def write(self, text: str) -> int:
-        written = self._stream.write(text)
-        if not self.fired and self._marker in text:
-            self.fired = True
-            self._then()
-        return written
-
-    def __getattr__(self, name: str):
-        return getattr(self._stream, name)
 
 
 # ----------------------------------------------------------------------------- worker functions
@@ -473,7 +436,7 @@ def test_hang_notice_names_the_lingering_rank(tmp_path, capsys, monkeypatch):
     releases rank 1), then a second more."""
     release = tmp_path / "release"
     os.mkfifo(release)
-    notices = _OnWrite(sys.stderr, "is still running", lambda: _release(release))
+    notices = OnWrite(sys.stderr, "is still running", lambda: release_fifo(release))
     monkeypatch.setattr(sys, "stderr", notices)
     result = notebook_launcher(
         _rank1_lingers_until_released,

@@ -25,6 +25,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
         "nb_dist._shared",
         "nb_dist._rank._spec",  # what a rank is started with
         "nb_dist._rank._entry",  # the function a forked or forkserver process runs
+        "nb_dist._rank._script",  # the function run_script's ranks run (a script as __main__)
         "nb_dist.views._display",  # the launch monitor is a widget on the views' base
         "nb_dist.views.colors",
     ),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -18,7 +19,7 @@ import psutil
 import pytest
 import torch
 import torch.distributed as dist
-from process_helpers import assert_all_gone
+from process_helpers import OnWrite, assert_all_gone, release_fifo
 
 import nb_dist
 from nb_dist import LaunchTimeoutError, Ranks, SessionError, WorkerFailedError, per_rank
@@ -391,3 +392,62 @@ def test_an_empty_rank_list_is_refused(ranks):
         ranks.exec("1", rank=[])
     with pytest.raises(ValueError, match=r"push\(__name__=\.\.\.\): __name__ belongs to"):
         ranks.push(__name__="x")
+
+
+# ----------------------------------------------------------------------------- straggler notice
+def test_a_rank_still_running_after_the_others_finished_gets_a_notice(tmp_path, monkeypatch):
+    """hang_notice_after=0.5: where a rank still runs after the others finished the cell is
+    printed while the cell goes on. A handshake: rank 1 waits on a FIFO that writing the
+    notice opens."""
+    release = tmp_path / "release"
+    os.mkfifo(release)
+    notices = OnWrite(sys.stderr, "is still running", lambda: release_fifo(release))
+    monkeypatch.setattr(sys, "stderr", notices)
+    with Ranks(2, output="grouped", hang_notice_after=0.5) as session:
+        session.exec(IMPORTS)
+        cell = (
+            "if dist.get_rank() == 1:\n"
+            f"    fd = os.open({str(release)!r}, os.O_RDONLY)  # lingering rank 1\n"
+            "    os.read(fd, 2)\n"
+            "    os.close(fd)\n"
+            "dist.get_rank()"
+        )
+        assert session.exec(cell) == [0, 1]
+        assert notices.fired
+    err = "".join(notices.seen)
+    assert "rank 1 is still running" in err and "after rank(s) 0 finished" in err, err
+    assert "`fd = os.open(" in err and "# lingering rank 1`" in err, err
+    assert "%%ranks --timeout" in err  # how to limit a cell, not a launch
+    assert err.count("is still running") == 1
+
+
+def test_a_collective_only_one_rank_calls_is_noticed_and_interrupt_ends_the_cell(monkeypatch):
+    """The classroom mistake, without a timeout: the cell is not silent (a notice names the
+    collective) and ■ ends it; the session restarts with fresh ranks."""
+
+    def interrupt() -> None:
+        raise KeyboardInterrupt  # ■ pressed as the notice appears
+
+    notices = OnWrite(sys.stderr, "is still running", interrupt)
+    monkeypatch.setattr(sys, "stderr", notices)
+    with Ranks(2, output="grouped", hang_notice_after=0.5) as session:
+        session.exec(IMPORTS)
+        old = session.pids
+        with pytest.raises(KeyboardInterrupt) as info:
+            session.exec("if dist.get_rank() == 0:\n    t = torch.ones(1)\n    dist.all_reduce(t)")
+        assert notices.fired
+        assert "state was lost" in str(info.value)
+        assert_all_gone(old)
+        session.exec(IMPORTS)
+        assert session.exec("dist.get_rank()") == [0, 1]
+    err = "".join(notices.seen)
+    assert "rank 0 is still running" in err and "all_reduce" in err, err
+
+
+def test_hang_notice_none_keeps_a_cell_quiet(tmp_path, monkeypatch):
+    notices = OnWrite(sys.stderr, "is still running", lambda: None)
+    monkeypatch.setattr(sys, "stderr", notices)
+    with Ranks(2, output="grouped", hang_notice_after=None) as session:
+        session.exec(IMPORTS)
+        session.exec("import time\nif dist.get_rank() == 1:\n    time.sleep(1.5)")
+    assert not notices.fired

@@ -248,6 +248,9 @@ def failure_message(root: RankOutcome, outcomes: Sequence[RankOutcome], root_log
         head += f"\n\nThe error rank {root.rank} got: {root.exc_type}: {root.message}"
     elif root.exc_type:
         head = f"rank {root.rank} failed first: {root.exc_type}: {root.message}"
+        hint = framework_hint(root.message or "")
+        if hint:
+            head += f"\n{hint}"
     else:
         head = f"rank {root.rank} failed first: {root.message}"
         if root.signal_name == "SIGKILL":
@@ -266,6 +269,27 @@ def failure_message(root: RankOutcome, outcomes: Sequence[RankOutcome], root_log
         "\nEvery rank's outcome is in this exception's .outcomes and its full output in .logs."
     )
     return "\n".join(parts)
+
+
+_LIGHTNING_WORLD = re.compile(
+    r"`devices=(?P<devices>\d+)` and `num_nodes=(?P<nodes>\d+)` in Lightning.*"
+    r"does not match the world size \((?P<world>\d+)\)",
+    re.DOTALL,
+)
+
+
+def framework_hint(message: str) -> str | None:
+    """nb_dist's one line after a training library's own error, where it knows the fix."""
+    found = _LIGHTNING_WORLD.search(message)
+    if found:
+        world, nodes = int(found["world"]), int(found["nodes"])
+        per_node = world // nodes if nodes and world % nodes == 0 else world
+        return (
+            f"nb_dist: the launch started {world} rank(s); Lightning's devices x num_nodes "
+            f"must equal that: pass devices={per_node} (or launch with "
+            f"num_processes={int(found['devices'])})."
+        )
+    return None
 
 
 def ended_without_value(code: int | None, signal_name: str | None) -> str:
@@ -401,17 +425,22 @@ def _counts_differ(ranks: Sequence[StuckRank]) -> bool:
 
 
 def straggler_notice(
-    rank: int, waited: float, finished: Sequence[int], frames: Sequence[Frame]
+    rank: int,
+    waited: float,
+    finished: Sequence[int],
+    frames: Sequence[Frame],
+    limit_hint: str = "pass timeout=... to the launcher",
 ) -> str:
-    """The notice for a rank still running long after others finished (a likely deadlock)."""
+    """The notice for a rank still running long after others finished (a likely deadlock);
+    ``limit_hint`` says how to put a limit on this kind of run."""
     return (
         f"rank {rank} is still running {waited:.0f} s after rank(s) "
         f"{', '.join(map(str, finished))} finished. It is at {blocked_place(list(frames))}:\n"
         f"{format_frames(list(frames))}\n"
         "If it waits in a collective (all_reduce, barrier, ...) that the finished "
         "ranks skipped, this is a deadlock and it will never finish: interrupt the "
-        "kernel, make every rank call the same collectives, or pass timeout=... to "
-        "the launcher. Still waiting, since a rank may also legitimately work alone."
+        f"kernel, make every rank call the same collectives, or {limit_hint}. Still "
+        "waiting, since a rank may also legitimately work alone."
     )
 
 

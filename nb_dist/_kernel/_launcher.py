@@ -48,7 +48,7 @@ def notebook_launcher(
     init_process_group: bool = False,
     device: str = "auto",
     threads_per_process: int | None = None,
-    hang_notice_after: float | None = 30.0,
+    hang_notice_after: float | None = 10.0,
     monitor: bool = False,
     rendezvous_timeout: float | str | None = "auto",
     warm_imports: bool = True,
@@ -102,7 +102,9 @@ def notebook_launcher(
             ``OMP_NUM_THREADS`` is set. Safe with fork after the kernel ran multi-threaded
             torch work: the kernel's OpenMP pool is released before forking (see _openmp.py).
         hang_notice_after: when some ranks finished and another still runs this many seconds
-            later, print where it is (a likely deadlock) and keep waiting. ``None``: never.
+            later, print which rank, for how long and where it is (its stack, or that it is
+            stuck in native code after its function returned) and keep waiting; ■ still ends
+            the launch. ``None``: never.
         rendezvous_timeout: once one rank reaches ``init_process_group``, how many seconds the
             others have to join before the launch is stopped with a report of who is missing
             and where every rank is (:class:`~nb_dist.RendezvousTimeoutError`). ``"auto"``:

@@ -39,7 +39,7 @@ class LaunchOptions:
     init_process_group: bool = False
     device: str = "auto"
     threads_per_process: int | None = None
-    hang_notice_after: float | None = 30.0
+    hang_notice_after: float | None = 10.0
     monitor: bool = False
     rendezvous_timeout: float | str | None = "auto"
     warm_imports: bool = True

@@ -35,6 +35,8 @@ class Policy:
     """
 
     answers_post_mortems: bool = False
+    #: How the straggler notice tells the user to put a limit on a run.
+    limit_hint: str = "pass timeout=... to the launcher"
     on_failure: Callable[[], None] | None = None
     closing_note: Callable[[], str] | None = None
 

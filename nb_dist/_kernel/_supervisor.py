@@ -111,6 +111,8 @@ class Supervisor:
         """The one place a rank's status changes; the live view hears of every change."""
         was_final = worker.finished
         worker.outcome.status = status
+        if status == "ok" and not was_final:  # a launch's rank ended well, a live rank is idle
+            self.current.first_finish = self.current.first_finish or time.monotonic()
         if self.current.observer is None:
             return
         if status == "running":
@@ -233,10 +235,7 @@ class Supervisor:
 
     def _finalize(self, worker: Rank) -> None:
         """Decide a finished worker's outcome (its control pipe is drained by now)."""
-        status = worker.settle()
-        if status == "ok":
-            self.current.first_finish = self.current.first_finish or time.monotonic()
-        self._set_status(worker, status)
+        self._set_status(worker, worker.settle())
 
     def _flush_stale_partials(self) -> None:
         now = time.monotonic()
@@ -278,7 +277,8 @@ class Supervisor:
             return
         finished = [w.outcome.rank for w in self.current.workers if w.outcome.status == "ok"]
         for worker in self.current.workers:
-            if not worker.alive or worker.local_rank in self.current.hang_noticed:
+            noticed = worker.local_rank in self.current.hang_noticed
+            if worker.finished or not worker.alive or noticed:
                 continue
             self.current.hang_noticed.add(worker.local_rank)
             returned = worker.outcome.returned_at
@@ -287,7 +287,9 @@ class Supervisor:
                 self.current.router.notice(_diagnosis.teardown_notice(worker.outcome.rank, ago))
                 continue
             frames = self._stacks([worker]).get(worker.local_rank, [])
-            notice = _diagnosis.straggler_notice(worker.outcome.rank, waited, finished, frames)
+            notice = _diagnosis.straggler_notice(
+                worker.outcome.rank, waited, finished, frames, self.current.policy.limit_hint
+            )
             self.current.router.notice(notice)
 
     def _check_rendezvous(self) -> None:

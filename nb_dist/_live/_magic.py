@@ -15,6 +15,7 @@ import shlex
 from typing import Any
 
 from .._kernel._result import LaunchResult
+from .._kernel._scripts import torchrun_magic
 from ._ranks import UNSET, Ranks, SessionError, current
 
 
@@ -113,5 +114,6 @@ def ranks_magic(line: str, cell: str | None = None) -> Any:
 
 
 def load_ipython_extension(shell: Any) -> None:
-    """``%load_ext nb_dist``: register ``%ranks`` and ``%%ranks``."""
+    """``%load_ext nb_dist``: register ``%ranks``, ``%%ranks`` and ``%torchrun``."""
     shell.register_magic_function(ranks_magic, magic_kind="line_cell", magic_name="ranks")
+    shell.register_magic_function(torchrun_magic, magic_kind="line", magic_name="torchrun")

@@ -71,6 +71,9 @@ class Ranks:
             empty namespace instead of the kernel's.
         timeout: default seconds for each cell (``None``: no limit); past it, the cell shows
             every rank's stack and stops.
+        hang_notice_after: when some ranks finished the cell and another still runs this many
+            seconds later, print which rank, for how long and where it is, and keep waiting
+            (■ still ends the cell). ``None``: never.
         monitor: show the live per-rank dashboard in each cell.
         debug: ``"postmortem"``: a rank that fails opens pdb at its exception, in the
             failing cell, driven from the notebook.
@@ -87,6 +90,7 @@ class Ranks:
         rich_output: str | int | Sequence[int] = "rank0",
         start_method: str = "fork",
         timeout: float | None = None,
+        hang_notice_after: float | None = 10.0,
         monitor: bool = False,
         use_port: int | str | None = None,
         master_addr: str = "127.0.0.1",
@@ -103,6 +107,7 @@ class Ranks:
             num_processes=num_processes, mixed_precision=mixed_precision, use_port=use_port,
             master_addr=master_addr, log_line_prefix_template=log_line_prefix_template,
             start_method=start_method, timeout=timeout, output=output, init_process_group=True,
+            hang_notice_after=hang_notice_after,
             device=device, threads_per_process=threads_per_process, monitor=monitor,
             rendezvous_timeout=rendezvous_timeout, warm_imports=False, rich_output=rich_output,
             debug=debug,

@@ -40,6 +40,9 @@ from .._shared import _protocol
 CLOSE_GRACE = 1.0
 
 
+#: How the straggler notice of a cell says to put a limit on it.
+LIMIT_HINT = "give the cell a limit (%%ranks --timeout 30, or timeout=... on exec/run)"
+
 #: Starting the ranks and between tasks: a failure stops every rank (as in a launch), and a
 #: failed rank's debugger is answered in the cell (there is no later ``%debug`` for it).
 _BETWEEN = Policy(answers_post_mortems=True)
@@ -156,7 +159,10 @@ class SessionSupervisor(Supervisor):
         """Run one task on ``local_ranks``: their values, or a launch error (see the module)."""
         __tracebackhide__ = True
         policy = Policy(
-            answers_post_mortems=True, on_failure=self._on_task_failure, closing_note=self._note
+            answers_post_mortems=True,
+            limit_hint=LIMIT_HINT,
+            on_failure=self._on_task_failure,
+            closing_note=self._note,
         )
         self.current = Run(
             [self.workers[i] for i in local_ranks], router, observer, self._reports, policy

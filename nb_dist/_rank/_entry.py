@@ -28,7 +28,7 @@ from typing import Any
 
 from .._shared import _protocol, _reporting
 from .._shared._protocol import COLLECTIVES_ENV, WORKER_ENV_FLAG
-from . import _debug, _oneshot, _serve
+from . import _debug, _frameworks, _oneshot, _serve
 from ._oneshot import flush_all
 from ._spec import WorkerChannels, WorkerSpec
 
@@ -119,6 +119,7 @@ def _detach_from_kernel(spec: WorkerSpec, channels: WorkerChannels, forked: bool
 
     os.environ.update(spec.env)
     os.environ[WORKER_ENV_FLAG] = str(spec.rank)
+    _frameworks.become_a_script()  # a torchrun rank, not the kernel's interactive console
 
 
 def _wait_for_gate(gate: Connection) -> None:

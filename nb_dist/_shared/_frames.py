@@ -9,6 +9,7 @@ Every rule about "is this frame ours" lives here, so moving a module cannot brea
 from __future__ import annotations
 
 import os
+import runpy
 from types import TracebackType
 
 #: The ``nb_dist`` folder: every file under it is the launcher's, not the user's.
@@ -19,9 +20,16 @@ ENTRY_FILE = os.path.join(PACKAGE_DIR, "_rank", "_entry.py")
 #: Where a one-shot rank calls the user's function: a blocked rank whose innermost frame is
 #: this call has returned from the function (native code frees its locals).
 FUNCTION_CALL = (os.path.join(PACKAGE_DIR, "_rank", "_oneshot.py"), "run")
-#: The files whose frames run the user's code: left out of a failure's traceback.
+#: The files whose frames run the user's code: left out of a failure's traceback (a script
+#: run by ``run_script`` goes through ``_rank/_script.py`` and the standard ``runpy``).
 RUNNER_FILES = frozenset(
-    {ENTRY_FILE, FUNCTION_CALL[0], os.path.join(PACKAGE_DIR, "_rank", "_serve.py")}
+    {
+        ENTRY_FILE,
+        FUNCTION_CALL[0],
+        os.path.join(PACKAGE_DIR, "_rank", "_serve.py"),
+        os.path.join(PACKAGE_DIR, "_rank", "_script.py"),
+        runpy.run_path.__code__.co_filename,  # "<frozen runpy>" where it is frozen
+    }
 )
 
 
