@@ -4,7 +4,9 @@
 The patterns here killed or hung ranks after the function had returned, at a rate, in a
 process that had imported ``torch._dynamo`` (as a kernel does after its first DDP launch):
 the PyTorch DDP tutorial series' ``main`` (``destroy_process_group()`` while a ``Trainer``
-still holds the DDP model; 4 of 32 runs hung), the same with the model in a global, and
+still holds the DDP model; 4 of 32 runs hung; 30 launches in a row here), the same with the
+model in a global, returning the DDP model after ``destroy_process_group()`` (a clear
+``UnpicklableResultError``, never a hang), and
 notebook 07's PowerSGD hook ("Resource deadlock avoided", SIGABRT, about 1 run in 4). Each runs
 many times in a row in one fresh process; one hang or abort fails the test.
 """
@@ -19,6 +21,10 @@ import pytest
 
 pytestmark = pytest.mark.timeout(240)
 
+#: Launches of the tutorial's pattern in a row (a third of it for each variant): 4 of 32 runs
+#: hung before nb_dist kept the groups.
+REPEATS = 30
+
 SCRIPT = textwrap.dedent(
     """
     import os
@@ -32,7 +38,7 @@ SCRIPT = textwrap.dedent(
     import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from nb_dist import notebook_launcher
+    from nb_dist import WorkerFailedError, notebook_launcher
 
 
     class Trainer:
@@ -68,6 +74,14 @@ SCRIPT = textwrap.dedent(
         return dist.is_initialized()
 
 
+    def return_the_model(steps):
+        dist.init_process_group("gloo")
+        trainer = Trainer(nn.Linear(20, 1))
+        trainer.train(steps)
+        dist.destroy_process_group()
+        return trainer.model  # kept alive until the rank sends it: DDP cannot be pickled now
+
+
     def powersgd(steps):
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
@@ -84,15 +98,31 @@ SCRIPT = textwrap.dedent(
         return dist.is_initialized()  # the launcher destroys the group
 
 
+    def launch(function):
+        try:
+            result = notebook_launcher(
+                function, args=(6,), num_processes=2, timeout=30, output="none"
+            )
+        except WorkerFailedError as error:
+            # A DDP model outside its group cannot be pickled: a clear failure, not a hang.
+            assert function is return_the_model, error
+            assert "UnpicklableResultError" in str(error) and "state_dict" in str(error)
+            return
+        assert function is not return_the_model
+        assert list(result) == [function is powersgd] * 2, list(result)
+
+
     if __name__ == "__main__":
         repeats = int(sys.argv[1])
-        for function in (tutorial_main, model_in_a_global, powersgd):
-            for _ in range(repeats):
-                result = notebook_launcher(
-                    function, args=(6,), num_processes=2, timeout=30, output="none"
-                )
-                assert list(result) == [function is powersgd] * 2, list(result)
-            print(function.__name__, "ok", flush=True)
+        for function, times in (
+            (tutorial_main, repeats),
+            (model_in_a_global, repeats // 3),
+            (return_the_model, repeats // 3),
+            (powersgd, repeats // 3),
+        ):
+            for _ in range(times):
+                launch(function)
+            print(function.__name__, "ok", times, flush=True)
     """
 )
 
@@ -101,7 +131,7 @@ def test_teardown_of_ddp_groups_never_hangs_or_aborts(tmp_path):
     script = tmp_path / "teardown.py"
     script.write_text(SCRIPT)
     done = subprocess.run(
-        [sys.executable, str(script), "12"],
+        [sys.executable, str(script), str(REPEATS)],
         capture_output=True,
         text=True,
         timeout=220,
@@ -109,7 +139,8 @@ def test_teardown_of_ddp_groups_never_hangs_or_aborts(tmp_path):
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.splitlines() == [
-        "tutorial_main ok",
-        "model_in_a_global ok",
-        "powersgd ok",
+        f"tutorial_main ok {REPEATS}",
+        f"model_in_a_global ok {REPEATS // 3}",
+        f"return_the_model ok {REPEATS // 3}",
+        f"powersgd ok {REPEATS // 3}",
     ], done.stdout + done.stderr
