@@ -98,10 +98,11 @@ SCRIPT = textwrap.dedent(
         return dist.is_initialized()  # the launcher destroys the group
 
 
-    def launch(function):
+    def launch(function, start_method="fork"):
         try:
             result = notebook_launcher(
-                function, args=(6,), num_processes=2, timeout=30, output="none"
+                function, args=(6,), num_processes=2, timeout=60, output="none",
+                start_method=start_method,
             )
         except WorkerFailedError as error:
             # A DDP model outside its group cannot be pickled: a clear failure, not a hang.
@@ -123,6 +124,10 @@ SCRIPT = textwrap.dedent(
             for _ in range(times):
                 launch(function)
             print(function.__name__, "ok", times, flush=True)
+        # Spawned ranks keep their groups too (they also leave through os._exit).
+        for _ in range(3):
+            launch(tutorial_main, "spawn")
+        print("spawn ok", flush=True)
     """
 )
 
@@ -134,7 +139,7 @@ def test_teardown_of_ddp_groups_never_hangs_or_aborts(tmp_path):
         [sys.executable, str(script), str(REPEATS)],
         capture_output=True,
         text=True,
-        timeout=220,
+        timeout=230,
         check=False,
     )
     assert done.returncode == 0, done.stdout + done.stderr
@@ -143,4 +148,5 @@ def test_teardown_of_ddp_groups_never_hangs_or_aborts(tmp_path):
         f"model_in_a_global ok {REPEATS // 3}",
         f"return_the_model ok {REPEATS // 3}",
         f"powersgd ok {REPEATS // 3}",
+        "spawn ok",
     ], done.stdout + done.stderr
