@@ -282,3 +282,43 @@ def test_release_can_be_turned_off(monkeypatch):
 
     monkeypatch.setenv(_openmp.RELEASE_ENV, "0")
     assert _openmp.release_pool().status == "disabled"
+
+
+# ----------------------------------------------------------------------------- skipped collective
+def _state(entered: int, current: str | None = "all_reduce", completed: int | None = None):
+    from nb_dist._shared._collectives import CollectiveState
+
+    done = entered - 1 if completed is None else completed
+    return CollectiveState(entered=entered, completed=done, current=current, pid=1)
+
+
+def test_a_collective_the_finished_ranks_never_reach_is_a_deadlock():
+    from nb_dist._kernel._diagnosis import skipped_collective, skipped_collective_report
+
+    found = skipped_collective({1: 2}, {0: _state(3)})
+    assert found is not None
+    text = skipped_collective_report(found, {0: [("<ranks cell 4>", 2, "<module>")]})
+    assert text.startswith(
+        "rank 0 is blocked in all_reduce #3, which rank 1 will never enter: rank 1 finished "
+        "the cell after 2 collectives. A deadlock"
+    ), text
+    assert "rank 0 waits in all_reduce #3" in text
+    assert "rank 1 finished the cell having entered 2 collectives" in text
+    several = skipped_collective({1: 0, 2: 0}, {0: _state(1), 3: _state(1, "barrier")})
+    assert several is not None and [r for r, _ in several.blocked] == [0, 3]
+    assert "which ranks 1, 2 will never enter: they finished" in skipped_collective_report(
+        several, {}
+    )
+
+
+def test_no_deadlock_without_proof():
+    from nb_dist._kernel._diagnosis import skipped_collective
+
+    assert skipped_collective({1: 3}, {0: _state(3)}) is None  # rank 1 took part in #3
+    assert skipped_collective({1: 2}, {0: _state(3, current=None, completed=3)}) is None
+    assert skipped_collective({1: 2}, {0: None}) is None  # counts unknown
+    assert skipped_collective({1: None}, {0: _state(3)}) is None
+    assert skipped_collective({}, {0: _state(3), 1: _state(3)}) is None  # all in one collective
+    assert skipped_collective({1: 2}, {0: _state(3, "recv")}) is None  # point to point
+    assert skipped_collective({1: 2}, {0: _state(3, completed=1)}) is None  # several threads
+    assert skipped_collective({2: 2}, {0: _state(3), 1: _state(3, None, 3)}) is None  # computing

@@ -129,7 +129,8 @@ def test_timeout_shows_stacks_and_interrupts_the_cell(ranks, tmp_path):
 
 def test_timeout_in_a_collective_restarts_with_the_stacks(ranks):
     with pytest.raises(LaunchTimeoutError) as info:
-        ranks.exec("if dist.get_rank() == 0:\n    dist.barrier()", timeout=2)
+        # Waited on outside the counted call (async_op), so only the timeout can end it.
+        ranks.exec("if dist.get_rank() == 0:\n    dist.barrier(async_op=True).wait()", timeout=2)
     text = str(info.value)
     assert "barrier" in text
     assert "did not stop when interrupted" in text and "state was lost" in text
@@ -421,9 +422,10 @@ def test_a_rank_still_running_after_the_others_finished_gets_a_notice(tmp_path, 
     assert err.count("is still running") == 1
 
 
-def test_a_collective_only_one_rank_calls_is_noticed_and_interrupt_ends_the_cell(monkeypatch):
-    """The classroom mistake, without a timeout: the cell is not silent (a notice names the
-    collective) and ■ ends it; the session restarts with fresh ranks."""
+def test_a_wait_the_counts_cannot_prove_is_noticed_and_interrupt_ends_the_cell(monkeypatch):
+    """A collective only one rank calls, waited on outside the counted call (async_op, as
+    DDP's C++ all-reduces are): no proof of a deadlock, so the notice after
+    hang_notice_after names where rank 0 is, and ■ ends the cell."""
 
     def interrupt() -> None:
         raise KeyboardInterrupt  # ■ pressed as the notice appears
@@ -434,14 +436,17 @@ def test_a_collective_only_one_rank_calls_is_noticed_and_interrupt_ends_the_cell
         session.exec(IMPORTS)
         old = session.pids
         with pytest.raises(KeyboardInterrupt) as info:
-            session.exec("if dist.get_rank() == 0:\n    t = torch.ones(1)\n    dist.all_reduce(t)")
+            session.exec(
+                "if dist.get_rank() == 0:\n"
+                "    dist.all_reduce(torch.ones(1), async_op=True).wait()  # rank 0 alone"
+            )
         assert notices.fired
         assert "state was lost" in str(info.value)
         assert_all_gone(old)
         session.exec(IMPORTS)
         assert session.exec("dist.get_rank()") == [0, 1]
     err = "".join(notices.seen)
-    assert "rank 0 is still running" in err and "all_reduce" in err, err
+    assert "rank 0 is still running" in err and "# rank 0 alone`" in err, err
 
 
 def test_hang_notice_none_keeps_a_cell_quiet(tmp_path, monkeypatch):
@@ -451,3 +456,50 @@ def test_hang_notice_none_keeps_a_cell_quiet(tmp_path, monkeypatch):
         session.exec(IMPORTS)
         session.exec("import time\nif dist.get_rank() == 1:\n    time.sleep(1.5)")
     assert not notices.fired
+
+
+# ----------------------------------------------------------------------------- deadlocks
+def test_a_collective_only_some_ranks_call_ends_the_cell_without_a_timeout(ranks):
+    """The classroom mistake: no --timeout, yet the cell ends (within about half a second of
+    rank 1 finishing) with which collective, who finished after how many, rank 0's line."""
+    ranks.exec("t = torch.ones(1)\ndist.all_reduce(t)")  # one collective each, in step
+    old = ranks.pids
+    with pytest.raises(WorkerFailedError) as info:
+        ranks.exec("if dist.get_rank() == 0:\n    dist.all_reduce(t)  # rank 0 only")
+    text = str(info.value)
+    assert text.startswith(
+        "rank 0 is blocked in all_reduce #2, which rank 1 will never enter: rank 1 finished "
+        "the cell after 1 collectives."
+    ), text
+    assert "`dist.all_reduce(t)  # rank 0 only`" in text
+    assert "state was lost" in text
+    assert info.value.root_cause.rank == 0
+    assert_all_gone(old)
+    ranks.exec(IMPORTS)
+    assert ranks.exec("dist.get_world_size()") == [2, 2]
+
+
+def test_a_collective_on_a_subset_of_the_ranks_is_a_deadlock_too(ranks):
+    """`%%ranks --rank 0` with a collective: rank 1 is idle, outside the cell."""
+    with pytest.raises(WorkerFailedError, match="rank 1 finished the cell after 0 collectives"):
+        ranks.exec("dist.barrier()", rank=[0])
+    ranks.exec(IMPORTS)
+    assert ranks.exec("dist.get_rank()") == [0, 1]
+
+
+@pytest.mark.parametrize(
+    "cell",
+    [
+        # A rank still computing, with the other one done (no collective at all).
+        "import time\nif dist.get_rank() == 0:\n    time.sleep(1.5)",
+        # Every rank inside the same collective, one of them late: a barrier reached later.
+        "import time\nif dist.get_rank() == 0:\n    time.sleep(1.5)\ndist.barrier()",
+        # Long collectives on a big tensor: every rank in them, one returning before another.
+        "big = torch.ones(8_000_000)\nfor _ in range(6):\n    dist.all_reduce(big)",
+    ],
+    ids=["computing", "late-barrier", "big-tensor"],
+)
+def test_no_deadlock_is_reported_where_there_is_none(ranks, cell):
+    before = ranks.pids
+    assert ranks.exec(cell + "\ndist.get_rank()") == [0, 1]
+    assert ranks.pids == before and ranks.restarts == 0

@@ -53,3 +53,9 @@ def test_the_interrupt_goes_at_once_then_again_every_repeat_interval():
     assert w.interrupt_due(False, 0.0, 0.0)
     assert not w.interrupt_due(True, 10.0, 10.0 + w.REPEAT_INTERRUPT / 2)
     assert w.interrupt_due(True, 10.0, 10.0 + w.REPEAT_INTERRUPT)
+
+
+def test_a_deadlock_is_due_once_it_has_looked_the_same_long_enough():
+    assert not w.deadlock_due(None, 100.0)
+    assert not w.deadlock_due(100.0, 100.0 + w.DEADLOCK_SETTLE / 2)
+    assert w.deadlock_due(100.0, 100.0 + w.DEADLOCK_SETTLE)

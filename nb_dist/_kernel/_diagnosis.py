@@ -60,6 +60,76 @@ def skipped_collective_head(rank: int, call: str | None, finished: Sequence[int]
     )
 
 
+#: Collectives whose partner is one rank, not the group: counts may differ legitimately.
+POINT_TO_POINT = frozenset({"send", "recv"})
+
+
+@dataclass(frozen=True)
+class SkippedCollective:
+    """Live ranks in a deadlock: each running rank blocked in a collective that the ranks
+    which finished the cell will never enter (they entered fewer collectives in all)."""
+
+    blocked: tuple[tuple[int, CollectiveState], ...]  # (rank, its counts), rank order
+    finished: tuple[tuple[int, int], ...]  # (rank, collectives it entered in all)
+
+
+def skipped_collective(
+    finished: dict[int, int | None], running: dict[int, CollectiveState | None]
+) -> SkippedCollective | None:
+    """A deadlock the counts prove, else ``None`` (never a guess).
+
+    ``finished``: ranks done with the cell (or not in it) and their total collective counts;
+    ``running``: the other ranks' counter files. A deadlock: every running rank is inside a
+    group collective (not ``send``/``recv``, one at a time) whose number is above some
+    finished rank's total, which that rank can no longer reach. Ranks computing, all inside
+    the same collective, or waiting for ranks still running are never one."""
+    counts = {rank: n for rank, n in finished.items() if n is not None}
+    if not counts or not running:
+        return None
+    lowest = min(counts.values())
+    for state in running.values():
+        if state is None or state.current is None or state.current in POINT_TO_POINT:
+            return None
+        if state.completed != state.entered - 1 or state.entered <= lowest:
+            return None
+    return SkippedCollective(
+        blocked=tuple(sorted((r, s) for r, s in running.items() if s is not None)),
+        finished=tuple(sorted(counts.items())),
+    )
+
+
+def skipped_collective_report(
+    found: SkippedCollective, frames: dict[int, list[Frame]], unit: str = "cell"
+) -> str:
+    """The message of a live cell ended by :func:`skipped_collective`."""
+    first_rank, first = found.blocked[0]
+    behind = [(rank, n) for rank, n in found.finished if n < first.entered]
+    if len(behind) == 1:
+        who, after = f"rank {behind[0][0]}", f"rank {behind[0][0]} finished"
+        counts = f"{behind[0][1]} collectives"
+    else:
+        who = "ranks " + ", ".join(str(rank) for rank, _ in behind)
+        after, counts = "they finished", " and ".join(str(n) for _, n in behind) + " collectives"
+    lines = [
+        f"rank {first_rank} is blocked in {first.current} #{first.entered}, which {who} will "
+        f"never enter: {after} the {unit} after {counts}. A deadlock, so the {unit} was "
+        "ended instead of waiting for ever. Make every rank call the same collectives, the "
+        "same number of times (a collective under `if dist.get_rank() == 0:` is the usual "
+        "cause).",
+        "",
+    ]
+    for rank, state in found.blocked:
+        stack = frames.get(rank, [])
+        lines.append(
+            f"rank {rank} waits in {state.current} #{state.entered} at {blocked_place(stack)}"
+        )
+        if stack:
+            lines.append(format_frames(stack))
+    for rank, n in found.finished:
+        lines.append(f"rank {rank} finished the {unit} having entered {n} collectives")
+    return "\n".join(lines)
+
+
 def is_rendezvous(call: str | None) -> bool:
     return call in ("init_process_group", "rendezvous", "_create_c10d_store")
 

@@ -39,6 +39,9 @@ class Policy:
     limit_hint: str = "pass timeout=... to the launcher"
     on_failure: Callable[[], None] | None = None
     closing_note: Callable[[], str] | None = None
+    #: A check the loop makes on every turn, after its own watchdogs (live ranks: a skipped
+    #: collective); it may raise the run's error.
+    watch: Callable[[], None] | None = None
 
 
 #: A launch attempt: the first failure stops every rank; a failed rank's debugger waits for
@@ -71,6 +74,10 @@ class Run:
     failed_at: float | None = None
     interrupted: bool = False
     last_interrupt: float = 0.0
+    #: Live ranks: the running ranks' counts when a skipped collective was first seen, and
+    #: since when they have not changed.
+    deadlock_key: tuple[tuple[int, int], ...] | None = None
+    deadlock_since: float | None = None
 
 
 OnMessage = Callable[[Rank, _protocol.Message], None]

@@ -155,6 +155,8 @@ class Supervisor:
             self._check_failures()
             self._check_rendezvous()
             self._check_stragglers()
+            if self.current.policy.watch is not None:
+                self.current.policy.watch()
             if self.current.observer is not None:
                 self.current.observer.tick()
         return False

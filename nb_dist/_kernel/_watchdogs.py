@@ -21,6 +21,16 @@ REPEAT_INTERRUPT = 0.05
 EXITING_POLL = 0.002
 
 
+#: Live ranks: how long a skipped collective must look the same before the cell is ended (a
+#: rank's counts are read while it runs; a deadlock does not change, a passing state does).
+DEADLOCK_SETTLE = 0.4
+
+
+def deadlock_due(since: float | None, now: float) -> bool:
+    """Whether a skipped collective seen unchanged since ``since`` is due to be reported."""
+    return since is not None and now - since >= DEADLOCK_SETTLE
+
+
 def late(deadline: float | None, paused_for: float, now: float) -> bool:
     """Whether a run's ``deadline`` has passed; time spent at a debugger prompt is not work."""
     return deadline is not None and now >= deadline + paused_for

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .._kernel import _diagnosis, _watchdogs
-from .._kernel._errors import LaunchInterrupted, LaunchTimeoutError
+from .._kernel._errors import LaunchInterrupted, LaunchTimeoutError, WorkerFailedError
 from .._kernel._observer import Observer
 from .._kernel._output import OutputRouter
 from .._kernel._plan import LaunchPlan
@@ -34,7 +34,7 @@ from .._kernel._processes import signal_name
 from .._kernel._pump import Policy, Run
 from .._kernel._rank_handle import Rank
 from .._kernel._supervisor import AttemptResult, Supervisor
-from .._shared import _protocol
+from .._shared import _collectives, _protocol
 
 #: How long closed ranks get to destroy their process group and exit.
 CLOSE_GRACE = 1.0
@@ -163,6 +163,7 @@ class SessionSupervisor(Supervisor):
             limit_hint=LIMIT_HINT,
             on_failure=self._on_task_failure,
             closing_note=self._note,
+            watch=self._check_skipped_collective,
         )
         self.current = Run(
             [self.workers[i] for i in local_ranks], router, observer, self._reports, policy
@@ -232,6 +233,46 @@ class SessionSupervisor(Supervisor):
                 "joined), so every rank was stopped: the session was restarted with fresh "
                 "ranks and every rank's state was lost."
             )
+
+    def _check_skipped_collective(self) -> None:
+        """End the cell when the counts prove a deadlock (``_diagnosis.skipped_collective``)
+        that has looked the same for ``DEADLOCK_SETTLE`` s: no rank can leave it."""
+        run = self.current
+        if self.lost is not None or run.failure_seen or run.failed_at is not None:
+            return
+        if any(w.failure is not None for w in run.workers):
+            return  # a failure's own path interrupts the others
+        in_task = {w.local_rank for w in run.workers}
+        running = [w for w in run.workers if not w.finished and w.alive]
+        done = [w for w in run.workers if w.finished and w.outcome.status == "ok"]
+        done += [w for w in self.workers if w.local_rank not in in_task and w.alive]
+        now = time.monotonic()
+        if not running or not done:
+            run.deadlock_key = run.deadlock_since = None
+            return
+        states = {w.outcome.rank: _collectives.read(self.counter_file(w) or "") for w in running}
+        found = _diagnosis.skipped_collective({w.outcome.rank: w.collectives for w in done}, states)
+        key = None
+        if found is not None:
+            key = tuple((rank, state.entered) for rank, state in found.blocked)
+        if key != run.deadlock_key:
+            run.deadlock_key, run.deadlock_since = key, now if key is not None else None
+            return
+        if found is None or not _watchdogs.deadlock_due(run.deadlock_since, now):
+            return
+        frames = self._stacks(running)
+        by_rank = {w.outcome.rank: frames.get(w.local_rank, []) for w in running}
+        text = _diagnosis.skipped_collective_report(found, by_rank)
+        root = running[0]
+        root.outcome.exc_type = "SkippedCollective"
+        root.outcome.message = text.split("\n", 1)[0]
+        self._give_up(
+            "No interrupt reaches a rank blocked in a collective, so every rank was stopped: "
+            "the session was restarted with fresh ranks and every rank's state was lost."
+        )
+        outcomes = [w.outcome for w in run.workers]
+        message = f"{text}\n\n{self._note()}"
+        raise self._with_reports(WorkerFailedError(message, root.outcome, outcomes, self._logs()))
 
     def _interrupt(self, running: list[Rank]) -> None:
         """SIGINT the ranks, again every ``REPEAT_INTERRUPT`` s while they run: a rank that

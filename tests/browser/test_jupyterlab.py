@@ -371,14 +371,14 @@ def test_live_ranks_step_by_step(lab: LabServer, page: Page, screenshots_dir: Pa
     assert_not_upscaled(gradients.locator("img.nb-dist-gradient-view-output"))
     assert_no_widget_failures(page)
 
-    # The skipped collective: the timeout report, then the session's verdict.
-    skipped = code_cell(page, "%%ranks --timeout 3")
+    # The skipped collective: no timeout, the counts prove the deadlock; the session's verdict.
+    skipped = code_cell(page, "only rank 0 averages the loss")
     text = output_text(skipped)
     assert "[rank 1] finished the cell" in text, text
-    assert "LaunchTimeoutError" in text, text
-    assert "The cell did not finish within timeout=3 s, so it was interrupted." in text, text
-    assert "rank 0 was blocked at `dist.all_reduce(logged_loss)`" in text, text
-    assert "rank 1 entered only 4 collectives (rank 0: 5) and had ended" in text, text
+    assert "WorkerFailedError" in text, text
+    assert "rank 0 is blocked in all_reduce #5, which rank 1 will never enter" in text, text
+    assert "rank 0 waits in all_reduce #5 at `dist.all_reduce(logged_loss)`" in text, text
+    assert "rank 1 finished the cell having entered 4 collectives" in text, text
     assert "the session was restarted with fresh ranks and every rank's state was lost" in text
     screenshot(skipped, screenshots_dir, "live_ranks_timeout.png", margin=4)
 
