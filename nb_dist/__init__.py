@@ -20,6 +20,7 @@ from ._kernel._errors import (
 )
 from ._kernel._launcher import notebook_launcher
 from ._kernel._preflight import install_cuda_touch_recorder as _install_cuda_touch_recorder
+from ._kernel._warm import prefetch_at_import as _prefetch_at_import
 from ._kernel._result import LaunchResult
 from ._kernel._scripts import run_script
 from ._live._magic import load_ipython_extension
@@ -107,6 +108,10 @@ _logging.getLogger(__name__).addHandler(_logging.NullHandler())
 # GPU in a cell does not poison later forks (honoured only where the user has not set it).
 _os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 _install_cuda_touch_recorder()
+
+# In a Jupyter kernel, import what a first DDP cell needs in the background now, so that the
+# first launch or live session inherits it (_kernel/_warm.py; NB_DIST_WARM_IMPORTS=0: off).
+_prefetch_at_import()
 
 # `%load_ext nb_dist` finds this (not in __all__: it is IPython's hook, not an API).
 _ = load_ipython_extension

@@ -83,3 +83,44 @@ def test_worth_importing_keeps_safe_subtree_roots():
         worth_importing(f"torch.m{i}" for i in range(200))
         == sorted(f"torch.m{i}" for i in range(200))[:MAX_NAMES]
     )
+
+
+# ----------------------------------------------------------------------------- at import
+FIRST_DDP_CELL = """
+%%ranks
+had = "torch._dynamo" in sys.modules  # inherited from the kernel at the fork?
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
+had
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_kernel_prefetches_at_import_and_the_first_session_inherits_it(kernels):
+    """In a kernel, `import nb_dist` starts importing torch._dynamo in the background; the
+    first live session (and launch) forks after it and never imports it per rank."""
+    from kernel_helpers import execute
+
+    _, kc = kernels()
+    execute(kc, "import sys, torch, nb_dist\nfrom nb_dist._kernel import _warm").expect_ok()
+    run = execute(kc, "_warm.wait(); print(_warm.imported(), 'torch._dynamo' in sys.modules)")
+    assert run.expect_ok().stdout().strip() == "['torch._dynamo'] True"
+    execute(kc, "%load_ext nb_dist\nranks = nb_dist.Ranks(2)").expect_ok()
+    cell = execute(kc, FIRST_DDP_CELL.strip(), timeout=120).expect_ok()
+    assert cell.result_text == "[all ranks] True"
+    execute(kc, "ranks.close()").expect_ok()
+
+
+@pytest.mark.timeout(120)
+def test_no_prefetch_when_switched_off_or_outside_a_kernel(kernels):
+    from kernel_helpers import execute
+
+    _, kc = kernels(env={"NB_DIST_WARM_IMPORTS": "0"})
+    run = execute(kc, "import sys, nb_dist\nfrom nb_dist._kernel import _warm\n_warm.wait()\n"
+                      "print(_warm.imported(), 'torch._dynamo' in sys.modules)")  # fmt: skip
+    assert run.expect_ok().stdout().strip() == "[] False"
+    script = (
+        "import sys, nb_dist\nprint('torch._dynamo' in sys.modules, nb_dist._kernel._warm._thread)"
+    )
+    plain = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                           timeout=60, check=True)  # fmt: skip
+    assert plain.stdout.strip() == "False None"

@@ -16,8 +16,14 @@ happens. Every fork in the kernel (a launch's ranks, its probes, a restart, live
 renewed) waits for a running import first (an ``os.register_at_fork`` hook), so no child
 inherits a half-imported module.
 
+In a Jupyter kernel, :func:`prefetch_at_import` starts the same import when ``nb_dist`` is
+imported, for :data:`PREFETCH` (what a first DDP cell needs): a launch or a live session a few
+seconds later, the very first one included, inherits it instead of paying it in every rank.
+Scripts and the command line are left alone (they launch at once, and would only wait).
+
 Cost: the kernel's memory grows by what the modules take (about 70 MB for ``torch._dynamo``),
-once. Opt out with ``notebook_launcher(..., warm_imports=False)`` or ``NB_DIST_WARM_IMPORTS=0``.
+once. Opt out with ``notebook_launcher(..., warm_imports=False)`` or ``NB_DIST_WARM_IMPORTS=0``
+(which also stops the import at ``import nb_dist``).
 """
 
 from __future__ import annotations
@@ -34,6 +40,9 @@ from .._shared._env import switched_off
 from . import _openmp, _preflight
 
 ENV = "NB_DIST_WARM_IMPORTS"
+#: Imported at ``import nb_dist`` in a kernel: what ``DistributedDataParallel(...)`` pulls in
+#: the first time (``torch._dynamo`` and what it imports: 1.5-3 s per rank otherwise).
+PREFETCH = ("torch._dynamo",)
 #: The longest a fork or a launch waits for a warm import (a few seconds is usual).
 WAIT_LIMIT = 60.0
 _log = logging.getLogger(__name__)
@@ -61,6 +70,23 @@ def schedule(names: Iterable[str]) -> None:
         target=_import_all, args=(missing,), name="nb_dist-warm", daemon=True
     )
     _thread.start()
+
+
+def prefetch_at_import() -> bool:
+    """In a Jupyter kernel, start importing :data:`PREFETCH` in the background; whether it
+    started (not in scripts, not with ``NB_DIST_WARM_IMPORTS=0``)."""
+    if not enabled(True) or not _in_a_kernel():
+        return False
+    schedule(PREFETCH)
+    return _thread is not None
+
+
+def _in_a_kernel() -> bool:
+    shell_module = sys.modules.get("IPython")
+    if shell_module is None or "ipykernel" not in sys.modules:
+        return False
+    shell = shell_module.get_ipython()
+    return shell is not None and getattr(shell, "kernel", None) is not None
 
 
 def wait(limit: float | None = None) -> float:
