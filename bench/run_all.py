@@ -48,6 +48,7 @@ BENCHMARKS = (
     "debug_entry",
     "live_ranks",
     "group_teardown_hang",
+    "first_cell",
 )
 README = ROOT / "README.md"
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
