@@ -20,9 +20,9 @@ from ._kernel._errors import (
 )
 from ._kernel._launcher import notebook_launcher
 from ._kernel._preflight import install_cuda_touch_recorder as _install_cuda_touch_recorder
-from ._kernel._warm import prefetch_at_import as _prefetch_at_import
 from ._kernel._result import LaunchResult
 from ._kernel._scripts import run_script
+from ._kernel._warm import prefetch_at_import as _prefetch_at_import
 from ._live._magic import load_ipython_extension
 from ._live._per_rank import per_rank
 from ._live._ranks import Ranks, SessionError
