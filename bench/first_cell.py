@@ -95,7 +95,8 @@ import nb_dist
 imported = time.monotonic() - began
 time.sleep(5)
 ranks = nb_dist.Ranks(2)
-ranks.exec("import torch, torch.nn as nn, torch.distributed as dist")
+ranks.exec("import torch, torch.nn as nn, torch.distributed as dist\\nx = 1")
+kept_after_timeout = None
 CELL = '''
 model = nn.parallel.DistributedDataParallel(
     nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10)))
@@ -119,11 +120,21 @@ try:
 except nb_dist.WorkerFailedError as error:
     ended = time.monotonic() - t
     first_line = str(error).splitlines()[0]
-ranks.exec("import torch.distributed as dist")
-usable = ranks.exec("dist.get_world_size()") == [2, 2]
+usable = ranks.exec("dist.barrier()\\ndist.get_world_size()") == [2, 2]
+kept = ranks.exec("'x' in globals()") == [True, True]
+t = time.monotonic()
+try:  # a wait the counts cannot prove (async_op): the cell's timeout ends it
+    ranks.exec("if dist.get_rank() == 0:\\n    dist.barrier(async_op=True).wait()", timeout=1.0)
+    after_timeout = None
+except nb_dist.LaunchTimeoutError as error:
+    after_timeout = time.monotonic() - t - 1.0
+    kept_after_timeout = "kept its variables" in str(error)
+restarts = ranks.restarts
 ranks.close()
 print(JSON_MARK + json.dumps({"first_s": times[0], "later_s": times[1], "skipped_s": ended,
-                              "skipped_first_line": first_line, "usable_after": usable}))
+                              "skipped_first_line": first_line, "usable_after": usable,
+                              "kept": kept, "after_timeout_s": after_timeout,
+                              "kept_after_timeout": kept_after_timeout, "restarts": restarts}))
 """
 
 
@@ -186,8 +197,15 @@ def markdown(data: dict[str, Any]) -> str:
         lines += ["", "Runs that hung (killed after 120 s, not timed): " + ", ".join(
             f"{c}: {n}" for c, n in hung.items() if n)]  # fmt: skip
     skipped = _median(data, "live session", "skipped_s")
+    after = _median(data, "live session", "after_timeout_s")
+    runs = data["runs"]["live session"]
+    kept = sum(1 for r in runs if r.get("kept") and r.get("kept_after_timeout"))
     lines += ["", f"A skipped collective on live ranks, no timeout: the cell ended after "
-              f"{_fmt(skipped, '.2f')} s (median)."]  # fmt: skip
+              f"{_fmt(skipped, '.2f')} s (median), the blocked rank freed and the group formed "
+              f"again. A cell's timeout on a rank blocked in a collective: usable "
+              f"{_fmt(after, '.2f')} s after the timeout. Variables kept in {kept} of "
+              f"{len(runs)} sessions (both cases), restarts: "
+              f"{sum(r.get('restarts', 0) for r in runs)}."]  # fmt: skip
     return "\n".join(lines)
 
 
@@ -203,6 +221,11 @@ def targets(data: dict[str, Any]) -> list[dict[str, Any]]:
     return [
         {"name": "skipped collective ends a live cell", "target": "<= 1 s",
          "measured": skipped, "met": skipped is not None and skipped <= 1.0 and usable},
+        {"name": "after a timeout or ■ on a blocked rank: variables kept, usable", "target":
+         "<= 1 s", "measured": _median(data, "live session", "after_timeout_s"),
+         "met": all(r.get("kept_after_timeout") and r.get("kept") for r in
+                    data["runs"]["live session"]) and (
+                        _median(data, "live session", "after_timeout_s") or 9) <= 1.0},
         {"name": "first DDP cell of a session vs a later one", "target": "<= 1.3x",
          "measured": first / later if first and later else None,
          "met": bool(first and later and first / later <= 1.3)},

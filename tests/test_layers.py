@@ -29,7 +29,11 @@ ALLOWED: dict[str, tuple[str, ...]] = {
         "nb_dist.views._display",  # the launch monitor is a widget on the views' base
         "nb_dist.views.colors",
     ),
-    "nb_dist._live": ("nb_dist._shared", "nb_dist._kernel"),
+    "nb_dist._live": (
+        "nb_dist._shared",
+        "nb_dist._kernel",
+        "nb_dist._rank._regroup",  # the functions a session calls on its ranks to free them
+    ),
     "nb_dist.views": (),
 }
 

@@ -101,20 +101,40 @@ def test_a_failure_on_one_rank_leaves_the_session_usable(ranks):
     assert ranks.exec("dist.get_rank()") == [0, 1]
 
 
-def test_a_rank_blocked_in_a_skipped_collective_restarts_the_session(ranks):
+def test_a_rank_blocked_in_a_skipped_collective_is_freed_and_state_kept(ranks):
     ranks.exec("state = 'kept'")
     old = ranks.pids
     with pytest.raises(WorkerFailedError) as info:
         ranks.exec("if dist.get_rank() == 1:\n    raise ValueError('skips')\ndist.barrier()")
     text = str(info.value)
     assert "rank 1 failed first: ValueError: skips" in text
-    assert "the session was restarted with fresh ranks" in text
-    assert "state was lost" in text
+    assert "Rank 0 could not be interrupted" in text and "Every rank kept its variables" in text
+    assert "The session is still usable" in text
+    assert ranks.restarts == 0 and ranks.pids == old
+    assert ranks.exec("state") == ["kept", "kept"]
+    assert ranks.exec("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()") == [2.0, 2.0]
+
+
+def test_a_rank_that_cannot_be_freed_is_stopped_and_the_session_restarts(ranks):
+    """Blocked outside any collective, with SIGINT blocked: dropping connections frees
+    nothing, so every rank is stopped and fresh ones start (the fallback)."""
+    ranks.exec("state = 'kept'")
+    old = ranks.pids
+    cell = (
+        "import time\n"
+        "if dist.get_rank() == 1:\n"
+        "    raise ValueError('fails')\n"
+        "signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])\n"
+        "time.sleep(60)  # deaf to interrupts, in no collective"
+    )
+    with pytest.raises(WorkerFailedError) as info:
+        ranks.exec(cell)
+    text = str(info.value)
+    assert "the session was restarted with fresh ranks" in text and "state was lost" in text
     assert_all_gone(old)
     assert ranks.restarts == 1 and set(ranks.pids).isdisjoint(old)
+    ranks.exec(IMPORTS)
     assert ranks.exec("'state' in globals()") == [False, False]
-    ranks.exec(IMPORTS)  # fresh ranks: a fresh copy of pytest's namespace
-    assert ranks.exec("dist.get_world_size()") == [2, 2]
 
 
 def test_timeout_shows_stacks_and_interrupts_the_cell(ranks, tmp_path):
@@ -127,15 +147,19 @@ def test_timeout_shows_stacks_and_interrupts_the_cell(ranks, tmp_path):
     assert ranks.exec("dist.get_rank()") == [0, 1]
 
 
-def test_timeout_in_a_collective_restarts_with_the_stacks(ranks):
+def test_timeout_in_a_collective_frees_the_rank_and_keeps_the_state(ranks):
+    ranks.exec("state = 'kept'")
+    old = ranks.pids
     with pytest.raises(LaunchTimeoutError) as info:
         # Waited on outside the counted call (async_op), so only the timeout can end it.
         ranks.exec("if dist.get_rank() == 0:\n    dist.barrier(async_op=True).wait()", timeout=2)
     text = str(info.value)
     assert "barrier" in text
-    assert "did not stop when interrupted" in text and "state was lost" in text
-    ranks.exec(IMPORTS)
-    assert ranks.exec("dist.get_rank()") == [0, 1]
+    assert "Rank 0 did not stop when interrupted and was freed" in text
+    assert "Every rank kept its variables" in text
+    assert ranks.pids == old and ranks.restarts == 0
+    assert ranks.exec("state") == ["kept", "kept"]
+    assert ranks.exec("dist.barrier()\ndist.get_rank()") == [0, 1]
 
 
 @pytest.mark.parametrize("how", ["os._exit(3)", "os.kill(os.getpid(), signal.SIGKILL)"])
@@ -251,14 +275,12 @@ def test_no_processes_threads_or_fds_left_after_many_cells_with_faults():
                 with pytest.raises(WorkerFailedError):
                     session.exec("if dist.get_rank() == 0:\n    raise RuntimeError('fault')")
             elif cell % 25 == 19:
-                with pytest.raises(WorkerFailedError):  # blocked: the session restarts
+                with pytest.raises(WorkerFailedError):  # blocked: freed, the group formed again
                     session.exec("if dist.get_rank() == 0:\n    raise RuntimeError('x')\n"
                                  "dist.barrier()")  # fmt: skip
             else:
                 assert session.exec(f"{cell} + dist.get_rank()") == [cell, cell + 1]
-            if session.restarts and cell % 25 == 19:
-                session.exec(IMPORTS)  # fresh ranks: pytest's namespace again
-        assert session.restarts == 4
+        assert session.restarts == 0
         pids = session.pids
     assert_all_gone(pids)
     assert [p for p in me.children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE] == []
@@ -441,10 +463,9 @@ def test_a_wait_the_counts_cannot_prove_is_noticed_and_interrupt_ends_the_cell(m
                 "    dist.all_reduce(torch.ones(1), async_op=True).wait()  # rank 0 alone"
             )
         assert notices.fired
-        assert "state was lost" in str(info.value)
-        assert_all_gone(old)
-        session.exec(IMPORTS)
-        assert session.exec("dist.get_rank()") == [0, 1]
+        assert "was freed" in str(info.value) and "kept its variables" in str(info.value)
+        assert session.pids == old
+        assert session.exec("dist.barrier()\ndist.get_rank()") == [0, 1]
     err = "".join(notices.seen)
     assert "rank 0 is still running" in err and "# rank 0 alone`" in err, err
 
@@ -463,6 +484,7 @@ def test_a_collective_only_some_ranks_call_ends_the_cell_without_a_timeout(ranks
     """The classroom mistake: no --timeout, yet the cell ends (within about half a second of
     rank 1 finishing) with which collective, who finished after how many, rank 0's line."""
     ranks.exec("t = torch.ones(1)\ndist.all_reduce(t)")  # one collective each, in step
+    ranks.exec("model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 1))")
     old = ranks.pids
     with pytest.raises(WorkerFailedError) as info:
         ranks.exec("if dist.get_rank() == 0:\n    dist.all_reduce(t)  # rank 0 only")
@@ -472,19 +494,23 @@ def test_a_collective_only_some_ranks_call_ends_the_cell_without_a_timeout(ranks
         "the cell after 1 collectives."
     ), text
     assert "`dist.all_reduce(t)  # rank 0 only`" in text
-    assert "state was lost" in text
+    assert "Every rank kept its variables" in text and "model = DDP(model.module)" in text
     assert info.value.root_cause.rank == 0
-    assert_all_gone(old)
-    ranks.exec(IMPORTS)
-    assert ranks.exec("dist.get_world_size()") == [2, 2]
+    # The same processes, their variables kept, a working default group, counts in step.
+    assert ranks.pids == old and ranks.restarts == 0
+    assert ranks.exec("t.item()") == [2.0, 2.0]
+    ranks.exec("model = torch.nn.parallel.DistributedDataParallel(model.module)")
+    ranks.exec("model(torch.ones(3, 2)).sum().backward()")
+    grads = ranks.exec("[p.grad.sum().item() for p in model.parameters()]")
+    assert grads[0] == grads[1]
 
 
 def test_a_collective_on_a_subset_of_the_ranks_is_a_deadlock_too(ranks):
     """`%%ranks --rank 0` with a collective: rank 1 is idle, outside the cell."""
     with pytest.raises(WorkerFailedError, match="rank 1 finished the cell after 0 collectives"):
         ranks.exec("dist.barrier()", rank=[0])
-    ranks.exec(IMPORTS)
-    assert ranks.exec("dist.get_rank()") == [0, 1]
+    assert ranks.restarts == 0
+    assert ranks.exec("dist.barrier()\ndist.get_rank()") == [0, 1]
 
 
 @pytest.mark.parametrize(

@@ -57,11 +57,14 @@ class Ranks:
     kernel (fork): what the notebook defined before the start is there.
 
     A failure in a cell ends the cell with the root cause, as a launch does; the session
-    stays usable when every rank is idle afterwards. When a rank is blocked in a collective
-    that the failed rank never reached, or a rank died, every rank is stopped: a blocked
-    session restarts by itself (saying that state was lost), a dead rank's session needs
-    :meth:`restart`. Close it with :meth:`close` or ``with Ranks(2) as ranks:``; the kernel
-    closes open sessions when it shuts down, and ranks die with the kernel.
+    stays usable when every rank is idle afterwards. A rank blocked in a collective that
+    others skipped (detected from the collective counts, or after a failure, a timeout or ■)
+    is freed by the idle ranks closing their connections, and every rank forms the default
+    process group again, keeping its variables. Where that fails, or a rank died, every rank
+    is stopped: a blocked session restarts by itself (saying that state was lost), a dead
+    rank's session needs :meth:`restart`. Close it with :meth:`close` or
+    ``with Ranks(2) as ranks:``; the kernel closes open sessions when it shuts down, and
+    ranks die with the kernel.
 
     Args:
         num_processes: ranks on this machine (``None``: one per visible GPU).

@@ -10,10 +10,14 @@ it adds is the life of one task:
 - a task ends when every rank it ran on sent :class:`~_protocol.Idle`;
 - a failure: the other ranks get ``FAILURE_GRACE`` to end on their own, then an
   interrupt (SIGINT → ``KeyboardInterrupt`` in the task), then ``INTERRUPT_GRACE``
-  (``_kernel/_watchdogs.py``); a
-  rank still running then is blocked where no interrupt reaches it (a collective the failed
-  rank never joined), so every rank is stopped and the session is *lost*: its owner restarts it;
-- a timeout or the notebook's interrupt: the same interrupt, then the same verdict;
+  (``_kernel/_watchdogs.py``); a rank still running then is blocked where no interrupt
+  reaches it (a collective the failed rank never joined);
+- a skipped collective proved by the counts (``_diagnosis.skipped_collective``), a timeout
+  or the notebook's interrupt: the same verdict, without waiting;
+- a blocked rank is freed, not killed (``_release``, ``_rank/_regroup.py``): the idle ranks
+  shut their connections, its collective fails, and every rank forms the default group
+  again, keeping its namespace. Only where that fails is every rank stopped and the session
+  *lost*: its owner restarts it;
 - a rank that dies (a signal, ``os._exit``): the process group cannot survive it, so every
   rank is stopped and the session is lost.
 """
@@ -34,10 +38,23 @@ from .._kernel._processes import signal_name
 from .._kernel._pump import Policy, Run
 from .._kernel._rank_handle import Rank
 from .._kernel._supervisor import AttemptResult, Supervisor
-from .._shared import _collectives, _protocol
+from .._rank import _regroup
+from .._shared import _collectives, _protocol, _shipping
 
 #: How long closed ranks get to destroy their process group and exit.
 CLOSE_GRACE = 1.0
+#: How long ranks blocked in a collective get to leave it once the idle ranks dropped their
+#: connections, and how long every rank gets to form the default group again.
+RELEASE_LIMIT = 5.0
+REGROUP_LIMIT = 20.0
+#: What a message says when blocked ranks were freed and the state kept.
+KEPT = (
+    "Every rank kept its variables: the idle ranks closed their connections, so the blocked "
+    "collective failed, and every rank formed the default process group again. Build again "
+    "what was bound to the old group: a DistributedDataParallel model "
+    "(model = DDP(model.module)) and subgroups from new_group; tensors, models, optimizers "
+    "and samplers are as they were."
+)
 
 
 #: How the straggler notice of a cell says to put a limit on it.
@@ -76,6 +93,10 @@ class SessionSupervisor(Supervisor):
         #: Why the ranks were stopped, once they were (the session's state is gone).
         self.lost: Lost | None = None
         self._closed = False
+        #: What the current task's message says about ranks freed after a failure.
+        self._freed = ""
+        #: How many times the default group was formed again (``_release``): its store prefix.
+        self._generation = 0
         #: Reports accumulate over the session's tasks (``result.reports`` holds them all).
         self._reports = self.current.reports
 
@@ -169,6 +190,7 @@ class SessionSupervisor(Supervisor):
             [self.workers[i] for i in local_ranks], router, observer, self._reports, policy
         )
         self.task_count += 1
+        self._freed = ""
         try:
             for worker in self.current.workers:
                 worker.begin_task()
@@ -196,7 +218,8 @@ class SessionSupervisor(Supervisor):
 
     def _note(self) -> str:
         if self.lost is None:
-            return "The session is still usable: every rank is idle, with its state."
+            usable = "The session is still usable: every rank is idle, with its state."
+            return f"{self._freed}\n{usable}" if self._freed else usable
         return self.lost.reason
 
     # ----------------------------------------------------------------- failures
@@ -227,12 +250,71 @@ class SessionSupervisor(Supervisor):
             self._interrupt(running)
         elif running and phase == "give up":
             ranks = ", ".join(str(w.outcome.rank) for w in running)
+            if self._try_release(running):
+                self._freed = f"Rank{_plural(len(running))} {ranks} could not be interrupted "
+                self._freed += f"(blocked in a collective the failed rank never joined). {KEPT}"
+                return
             self._give_up(
                 f"Rank{_plural(len(running))} {ranks} could not be stopped (blocked where an "
                 "interrupt does not reach, most likely a collective the failed rank never "
                 "joined), so every rank was stopped: the session was restarted with fresh "
                 "ranks and every rank's state was lost."
             )
+
+    # ----------------------------------------------------------------- freeing blocked ranks
+    def _release(self, stuck: list[Rank]) -> bool:
+        """Free ``stuck`` ranks, blocked in a collective, without killing them
+        (``_rank/_regroup.py``): idle ranks drop their connections to the others until every
+        stuck rank has ended its cell, then every rank forms the default group again.
+        Whether that worked (every rank idle, with a fresh group, its namespace kept)."""
+        if self.config.debug is not None or not stuck or self.lost is not None:
+            return False  # a post-mortem would open on the freed rank's connection error
+        pids = {w.local_rank: w.process.pid for w in self.workers if w.process is not None}
+        dropped: set[int] = set()
+        deadline = time.monotonic() + RELEASE_LIMIT
+        while True:
+            if not all(w.alive for w in self.workers):
+                return False
+            waiting = [w for w in self.workers if not _idle(w)]
+            if not waiting:
+                break
+            fresh = [w for w in self.workers if _idle(w) and w.local_rank not in dropped]
+            if not fresh or time.monotonic() >= deadline:
+                return False
+            for worker in fresh:
+                dropped.add(worker.local_rank)
+                others = [pid for rank, pid in pids.items() if rank != worker.local_rank]
+                if self._call([worker], _regroup.drop_connections, others, limit=2.0):
+                    return False
+            self._read_until(
+                lambda waiting=waiting: all(_idle(w) for w in waiting),  # type: ignore[misc]
+                max(0.0, deadline - time.monotonic()),
+            )
+        self._generation += 1
+        failed = self._call(
+            list(self.workers), _regroup.regroup, self._generation, REGROUP_LIMIT,
+            limit=REGROUP_LIMIT + 5.0,
+        )  # fmt: skip
+        return not failed and all(w.alive for w in self.workers)
+
+    def _try_release(self, stuck: list[Rank]) -> bool:
+        """:meth:`_release`, given up (the caller then stops every rank) on a second ■."""
+        try:
+            return self._release(stuck)
+        except KeyboardInterrupt:
+            return False
+
+    def _call(self, workers: list[Rank], function: Callable[..., object], *args: object,
+              limit: float) -> list[Rank]:  # fmt: skip
+        """Run ``function(*args)`` on the idle ``workers``, outside any cell; those where it
+        did not end well within ``limit`` s."""
+        payload = _shipping.dumps((function, args, {}))
+        failures = {w.local_rank: w.failure for w in workers}
+        for worker in workers:
+            worker.tasks_sent += 1
+            worker.send(_protocol.Call(0, payload))
+        self._read_until(lambda: all(_idle(w) for w in workers), limit)
+        return [w for w in workers if not _idle(w) or w.failure is not failures[w.local_rank]]
 
     def _check_skipped_collective(self) -> None:
         """End the cell when the counts prove a deadlock (``_diagnosis.skipped_collective``)
@@ -264,14 +346,16 @@ class SessionSupervisor(Supervisor):
         by_rank = {w.outcome.rank: frames.get(w.local_rank, []) for w in running}
         text = _diagnosis.skipped_collective_report(found, by_rank)
         root = running[0]
+        kept = self._try_release(running)
+        if not kept:
+            self._give_up(
+                "The blocked ranks could not be freed, so every rank was stopped: the session "
+                "was restarted with fresh ranks and every rank's state was lost."
+            )
         root.outcome.exc_type = "SkippedCollective"
         root.outcome.message = text.split("\n", 1)[0]
-        self._give_up(
-            "No interrupt reaches a rank blocked in a collective, so every rank was stopped: "
-            "the session was restarted with fresh ranks and every rank's state was lost."
-        )
         outcomes = [w.outcome for w in run.workers]
-        message = f"{text}\n\n{self._note()}"
+        message = f"{text}\n\n{KEPT if kept else ''}\n{self._note()}".replace("\n\n\n", "\n\n")
         raise self._with_reports(WorkerFailedError(message, root.outcome, outcomes, self._logs()))
 
     def _interrupt(self, running: list[Rank]) -> None:
@@ -320,7 +404,13 @@ class SessionSupervisor(Supervisor):
         except KeyboardInterrupt:  # a second interrupt: no more waiting
             stuck = [w for w in self.current.workers if not w.finished]
         ranks = ", ".join(str(w.outcome.rank) for w in self.current.workers)
-        if stuck:
+        if stuck and self._try_release(stuck):
+            names = ", ".join(str(w.outcome.rank) for w in stuck)
+            text = (
+                f"the cell was interrupted; rank {names} did not stop (blocked in native code, "
+                f"e.g. a collective) and was freed. {KEPT} The session is still usable."
+            )
+        elif stuck:
             names = ", ".join(str(w.outcome.rank) for w in stuck)
             self._give_up(
                 f"rank {names} did not stop (blocked in native code, e.g. a collective), so "
@@ -340,7 +430,10 @@ class SessionSupervisor(Supervisor):
         frames = self._stacks(live)
         text, stacks = _diagnosis.timeout_report(timeout, self._stuck_views(live, frames), "cell")
         stuck = self._settle_interrupted()
-        if stuck:
+        if stuck and self._try_release(stuck):
+            names = ", ".join(str(w.outcome.rank) for w in stuck)
+            text += f"\n\nRank {names} did not stop when interrupted and was freed. {KEPT}"
+        elif stuck:
             names = ", ".join(str(w.outcome.rank) for w in stuck)
             self._give_up(
                 f"Rank {names} did not stop when interrupted, so every rank was stopped: the "
@@ -350,6 +443,11 @@ class SessionSupervisor(Supervisor):
         outcomes = [w.outcome for w in self.current.workers]
         error = LaunchTimeoutError(text, timeout, stacks, outcomes, self._logs())
         return self._with_reports(error)
+
+
+def _idle(worker: Rank) -> bool:
+    """Whether ``worker`` has finished every command it was sent (alive or not)."""
+    return worker.idle_task == worker.tasks_sent or not worker.alive
 
 
 def _plural(count: int) -> str:

@@ -253,6 +253,14 @@ def count() -> int:
     return _entered
 
 
+def restart_count() -> None:
+    """Count from zero again (a live rank whose default group was formed again: the counts
+    of the old group say nothing about the new one)."""
+    global _entered, _completed
+    _entered = _completed = 0
+    _pack(_buffer, 0, 0, 0, 0)
+
+
 def uninstall() -> None:
     """Put the original functions back and unmap the file (for tests)."""
     global _buffer, _mapped, _path
