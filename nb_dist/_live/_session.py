@@ -269,6 +269,10 @@ class SessionSupervisor(Supervisor):
         Whether that worked (every rank idle, with a fresh group, its namespace kept)."""
         if self.config.debug is not None or not stuck or self.lost is not None:
             return False  # a post-mortem would open on the freed rank's connection error
+        if self.config.backend != "gloo":
+            # NCCL's collectives wait on the GPU, not on a socket the idle ranks could shut;
+            # torch's abort would have to run inside the blocked rank. Stopped, as before.
+            return False
         pids = {w.local_rank: w.process.pid for w in self.workers if w.process is not None}
         dropped: set[int] = set()
         deadline = time.monotonic() + RELEASE_LIMIT
