@@ -184,3 +184,23 @@ def test_export_runs_under_torchrun_and_reproduces_the_session(kernel, tmp_path)
     for rank, value in enumerate(values):
         assert f"[rank {rank}] {value!r}" in run.stdout
     execute(kc, "ranks.close()").expect_ok()
+
+
+def test_a_skipped_collective_ends_the_cell_and_every_variable_survives(kernel):
+    """In a notebook: a barrier reached later is no deadlock; a collective only rank 0
+    calls ends the cell without a timeout, and the next cell has every variable."""
+    _, kc = kernel
+    execute(kc, "ranks = nb_dist.Ranks(2)").expect_ok()
+    pids = _pids(kc)
+    execute(kc, "%%ranks\nx = 5 + dist.get_rank()\nt = torch.ones(1)").expect_ok()
+    late = "%%ranks\nimport time\nif dist.get_rank() == 0:\n    time.sleep(1.5)\ndist.barrier()\n1"
+    assert execute(kc, late).expect_ok().result_text == "[all ranks] 1"
+    run = execute(kc, "%%ranks\nif dist.get_rank() == 0:\n    dist.all_reduce(t)  # only rank 0")
+    assert run.error is not None and run.error["ename"] == "WorkerFailedError"
+    text = run.error_text()
+    assert "rank 0 is blocked in all_reduce #2, which rank 1 will never enter" in text, text
+    assert "`dist.all_reduce(t)  # only rank 0`" in text and "kept its variables" in text
+    assert _pids(kc) == pids
+    kept = execute(kc, "%%ranks\ndist.all_reduce(t)\n(x, t.item())").expect_ok()
+    assert kept.result_text == "[rank 0] (5, 2.0)\n[rank 1] (6, 2.0)"
+    execute(kc, "ranks.close()").expect_ok()
