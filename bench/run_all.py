@@ -21,7 +21,6 @@ Run it on a machine that is otherwise idle: every number is a wall-clock time.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import importlib
 import json
 import os
@@ -85,6 +84,23 @@ def _fmt_met(met: bool | None) -> str:
     return {True: "met", False: "**missed**", None: "n/a"}[met]
 
 
+def _when(results: dict[str, dict[str, Any]], machine: dict[str, Any]) -> str:
+    """When and at which commit the numbers were measured: each benchmark's own JSON says;
+    a report rebuilt from results of several runs says so instead of stamping today."""
+    stamps = sorted(
+        {(str(d.get("finished_at", ""))[:10], str(d.get("machine", {}).get("git_commit")))
+         for d in results.values()}
+    )  # fmt: skip
+    if len(stamps) == 1:
+        date, commit = stamps[0]
+        return f"commit {commit}; {date}."
+    dates = sorted({date for date, _ in stamps if date})
+    return (
+        f"measured {dates[0]} to {dates[-1]} at several commits (each benchmark's JSON has "
+        f"its own); report built at commit {machine['git_commit']}."
+    )
+
+
 def build_report(out: Path, runs: dict[str, dict[str, Any]]) -> str:
     """Plots, REPORT.md and run.json from the JSON files in ``out``; returns the README part."""
     import matplotlib
@@ -123,8 +139,8 @@ def build_report(out: Path, runs: dict[str, dict[str, Any]]) -> str:
     header = (
         f"Machine: {machine['cpu_count']} CPUs, {machine['memory_gib']} GiB, "
         f"{machine['platform']}; Python {machine['python']}, torch {machine['torch']}, "
-        f"nb_dist {machine['nb_dist']}, accelerate {machine['accelerate']}; commit "
-        f"{machine['git_commit']}; {_dt.date.today().isoformat()}."
+        f"nb_dist {machine['nb_dist']}, accelerate {machine['accelerate']}; "
+        + _when(combined, machine)
     )
     report = "\n\n".join(["# Benchmark report", header, "## Targets", table_md, *sections])
     (out / "REPORT.md").write_text(report + "\n")
