@@ -505,8 +505,16 @@ def test_a_collective_only_some_ranks_call_ends_the_cell_without_a_timeout(ranks
     assert grads[0] == grads[1]
 
 
-def test_a_collective_on_a_subset_of_the_ranks_is_a_deadlock_too(ranks):
-    """`%%ranks --rank 0` with a collective: rank 1 is idle, outside the cell."""
+@pytest.mark.parametrize("monitor", [False, True])
+def test_a_collective_on_a_subset_of_the_ranks_is_a_deadlock_too(monitor):
+    """`%%ranks --rank 0` with a collective: rank 1 is idle, outside the cell (with the live
+    monitor too, which knows only the cell's ranks)."""
+    with Ranks(2, output="grouped", monitor=monitor) as ranks:
+        ranks.exec(IMPORTS)
+        _subset_deadlock(ranks)
+
+
+def _subset_deadlock(ranks):
     with pytest.raises(WorkerFailedError, match="rank 1 finished the cell after 0 collectives"):
         ranks.exec("dist.barrier()", rank=[0])
     assert ranks.restarts == 0

@@ -273,6 +273,9 @@ class SessionSupervisor(Supervisor):
             # NCCL's collectives wait on the GPU, not on a socket the idle ranks could shut;
             # torch's abort would have to run inside the blocked rank. Stopped, as before.
             return False
+        # The calls below are not the cell's work: its live view (which knows only the cell's
+        # ranks) does not hear of them; it is closed with the cell's error.
+        self.current.observer = None
         pids = {w.local_rank: w.process.pid for w in self.workers if w.process is not None}
         dropped: set[int] = set()
         deadline = time.monotonic() + RELEASE_LIMIT
