@@ -28,6 +28,7 @@ import argparse
 import os
 import statistics
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,20 @@ from _common import RESULTS, publish, run_in_kernel
 
 NAME = "first_cell"
 
-DDP_CELL = """
+#: The training both the launch and the live cell run: a small MLP under DDP, 20 SGD steps.
+TRAINING = """\
+model = nn.parallel.DistributedDataParallel(
+    nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10)))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
+for _ in range(20):
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+"""
+
+DDP_CELL = (
+    """
 import json, os, time, psutil, torch, torch.nn as nn, torch.distributed as dist
 
 def rss_mb():
@@ -43,17 +57,12 @@ def rss_mb():
 
 def ddp_cell():
     dist.init_process_group("gloo")
-    model = nn.parallel.DistributedDataParallel(
-        nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10)))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
-    for _ in range(20):
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-    del model
+"""
+    + textwrap.indent(TRAINING, "    ")
+    + """    del model
     dist.destroy_process_group()
 """
+)
 
 LAUNCH = (
     DDP_CELL
@@ -88,7 +97,8 @@ ACCELERATE = {
     ),
 }
 
-SESSION = """
+SESSION = (
+    """
 import json, time
 began = time.monotonic()
 import nb_dist
@@ -98,15 +108,9 @@ ranks = nb_dist.Ranks(2)
 ranks.exec("import torch, torch.nn as nn, torch.distributed as dist\\nx = 1")
 kept_after_timeout = None
 CELL = '''
-model = nn.parallel.DistributedDataParallel(
-    nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10)))
-opt = torch.optim.SGD(model.parameters(), lr=0.1)
-x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
-for _ in range(20):
-    opt.zero_grad()
-    nn.functional.cross_entropy(model(x), y).backward()
-    opt.step()
-'''
+"""
+    + TRAINING
+    + """'''
 times = []
 for _ in range(2):
     t = time.monotonic()
@@ -136,6 +140,7 @@ print(JSON_MARK + json.dumps({"first_s": times[0], "later_s": times[1], "skipped
                               "kept": kept, "after_timeout_s": after_timeout,
                               "kept_after_timeout": kept_after_timeout, "restarts": restarts}))
 """
+)
 
 
 def _kernel(code: str, env: dict[str, str] | None = None) -> dict[str, Any]:

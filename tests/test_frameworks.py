@@ -163,18 +163,14 @@ def test_the_hint_for_lightnings_world_size_message():
 
 
 # ----------------------------------------------------------------------------- the others
-def test_transformers_trainer_recipe(kernels):
-    _needs("transformers")
+@pytest.mark.parametrize(
+    ("recipe", "package"),
+    [("transformers-trainer", "transformers"), ("accelerate", "accelerate"), ("fastai", "fastai")],
+)
+def test_a_recipe_trains_the_same_parameters_on_both_ranks(kernels, recipe, package):
+    _needs(package)
     _, kc = kernels()
-    _run_recipe(kc, "transformers-trainer")
-    check = execute(kc, "len(result), result[0] == result[1]").expect_ok()
-    assert check.result_text == "(2, True)"
-
-
-def test_accelerate_recipe(kernels):
-    _needs("accelerate")
-    _, kc = kernels()
-    _run_recipe(kc, "accelerate")
+    _run_recipe(kc, recipe)
     check = execute(kc, "len(result), result[0] == result[1]").expect_ok()
     assert check.result_text == "(2, True)"
 
@@ -185,11 +181,3 @@ def test_torchrun_script_recipe(kernels):
     sums = dict(re.findall(r"\[rank (\d)\] rank \d weight sum (-?[\d.]+)", run.stdout()))
     assert set(sums) == {"0", "1"} and sums["0"] == sums["1"], run.stdout()
     assert execute(kc, "list(result)").expect_ok().result_text == "[0, 0]"
-
-
-def test_fastai_recipe(kernels):
-    _needs("fastai")
-    _, kc = kernels()
-    _run_recipe(kc, "fastai")
-    check = execute(kc, "len(result), result[0] == result[1]").expect_ok()
-    assert check.result_text == "(2, True)"

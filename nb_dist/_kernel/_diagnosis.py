@@ -499,7 +499,7 @@ def straggler_notice(
     waited: float,
     finished: Sequence[int],
     frames: Sequence[Frame],
-    limit_hint: str = "pass timeout=... to the launcher",
+    limit_hint: str,
 ) -> str:
     """The notice for a rank still running long after others finished (a likely deadlock);
     ``limit_hint`` says how to put a limit on this kind of run."""

@@ -37,6 +37,7 @@ import time
 from collections.abc import Iterable
 
 from .._shared._env import switched_off
+from ..views._display import _kernel_is_running
 from . import _openmp, _preflight
 
 ENV = "NB_DIST_WARM_IMPORTS"
@@ -75,18 +76,10 @@ def schedule(names: Iterable[str]) -> None:
 def prefetch_at_import() -> bool:
     """In a Jupyter kernel, start importing :data:`PREFETCH` in the background; whether it
     started (not in scripts, not with ``NB_DIST_WARM_IMPORTS=0``)."""
-    if not enabled(True) or not _in_a_kernel():
+    if not enabled(True) or not _kernel_is_running():
         return False
     schedule(PREFETCH)
     return _thread is not None
-
-
-def _in_a_kernel() -> bool:
-    shell_module = sys.modules.get("IPython")
-    if shell_module is None or "ipykernel" not in sys.modules:
-        return False
-    shell = shell_module.get_ipython()
-    return shell is not None and getattr(shell, "kernel", None) is not None
 
 
 def wait(limit: float | None = None) -> float:

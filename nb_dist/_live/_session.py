@@ -148,7 +148,7 @@ class SessionSupervisor(Supervisor):
             self.lost = Lost(f"rank {dead[0].outcome.rank} ended between cells: {how}", True)
             self.close()
             return None
-        busy = [w for w in self.workers if w.idle_task != w.tasks_sent]
+        busy = [w for w in self.workers if not _idle(w)]
         if busy:  # a cell left running (a second interrupt cut its ending short)
             stuck = self._settle(busy)
             if stuck:
@@ -249,16 +249,14 @@ class SessionSupervisor(Supervisor):
         if running and phase == "interrupt":
             self._interrupt(running)
         elif running and phase == "give up":
-            ranks = ", ".join(str(w.outcome.rank) for w in running)
-            if self._try_release(running):
-                self._freed = f"Rank{_plural(len(running))} {ranks} could not be interrupted "
-                self._freed += f"(blocked in a collective the failed rank never joined). {KEPT}"
-                return
-            self._give_up(
-                f"Rank{_plural(len(running))} {ranks} could not be stopped (blocked where an "
-                "interrupt does not reach, most likely a collective the failed rank never "
-                "joined), so every rank was stopped: the session was restarted with fresh "
-                "ranks and every rank's state was lost."
+            ranks = f"Rank{_plural(len(running))} {', '.join(str(w.outcome.rank) for w in running)}"
+            self._free_or_stop(
+                running,
+                f"{ranks} could not be interrupted (blocked in a collective the failed rank "
+                "never joined).",
+                f"{ranks} could not be stopped (blocked where an interrupt does not reach, most "
+                "likely a collective the failed rank never joined), so every rank was stopped: "
+                "the session was restarted with fresh ranks and every rank's state was lost.",
             )
 
     # ----------------------------------------------------------------- freeing blocked ranks
@@ -276,7 +274,7 @@ class SessionSupervisor(Supervisor):
         # The calls below are not the cell's work: its live view (which knows only the cell's
         # ranks) does not hear of them; it is closed with the cell's error.
         self.current.observer = None
-        pids = {w.local_rank: w.process.pid for w in self.workers if w.process is not None}
+        pids = [w.process.pid for w in self.workers if w.process is not None]
         dropped: set[int] = set()
         deadline = time.monotonic() + RELEASE_LIMIT
         while True:
@@ -288,11 +286,9 @@ class SessionSupervisor(Supervisor):
             fresh = [w for w in self.workers if _idle(w) and w.local_rank not in dropped]
             if not fresh or time.monotonic() >= deadline:
                 return False
-            for worker in fresh:
-                dropped.add(worker.local_rank)
-                others = [pid for rank, pid in pids.items() if rank != worker.local_rank]
-                if self._call([worker], _regroup.drop_connections, others, limit=2.0):
-                    return False
+            dropped.update(w.local_rank for w in fresh)
+            if self._call(fresh, _regroup.drop_connections, pids, limit=2.0):
+                return False
             self._read_until(
                 lambda waiting=waiting: all(_idle(w) for w in waiting),  # type: ignore[misc]
                 max(0.0, deadline - time.monotonic()),
@@ -304,12 +300,19 @@ class SessionSupervisor(Supervisor):
         )  # fmt: skip
         return not failed and all(w.alive for w in self.workers)
 
-    def _try_release(self, stuck: list[Rank]) -> bool:
-        """:meth:`_release`, given up (the caller then stops every rank) on a second ■."""
+    def _free_or_stop(self, stuck: list[Rank], freed: str, lost: str) -> bool:
+        """Free ``stuck`` ranks (:meth:`_release`), the cell's closing note saying so
+        (``freed``, then what was kept); else stop every rank, the session lost (``lost``).
+        Whether they were freed."""
         try:
-            return self._release(stuck)
-        except KeyboardInterrupt:
-            return False
+            released = self._release(stuck)
+        except KeyboardInterrupt:  # a second ■: no more waiting
+            released = False
+        if released:
+            self._freed = f"{freed} {KEPT}".strip()
+        else:
+            self._give_up(lost)
+        return released
 
     def _call(self, workers: list[Rank], function: Callable[..., object], *args: object,
               limit: float) -> list[Rank]:  # fmt: skip
@@ -353,16 +356,16 @@ class SessionSupervisor(Supervisor):
         by_rank = {w.outcome.rank: frames.get(w.local_rank, []) for w in running}
         text = _diagnosis.skipped_collective_report(found, by_rank)
         root = running[0]
-        kept = self._try_release(running)
-        if not kept:
-            self._give_up(
-                "The blocked ranks could not be freed, so every rank was stopped: the session "
-                "was restarted with fresh ranks and every rank's state was lost."
-            )
+        self._free_or_stop(
+            running,
+            "",
+            "The blocked ranks could not be freed, so every rank was stopped: the session was "
+            "restarted with fresh ranks and every rank's state was lost.",
+        )
         root.outcome.exc_type = "SkippedCollective"
         root.outcome.message = text.split("\n", 1)[0]
         outcomes = [w.outcome for w in run.workers]
-        message = f"{text}\n\n{KEPT if kept else ''}\n{self._note()}".replace("\n\n\n", "\n\n")
+        message = f"{text}\n\n{self._note()}"
         raise self._with_reports(WorkerFailedError(message, root.outcome, outcomes, self._logs()))
 
     def _interrupt(self, running: list[Rank]) -> None:
@@ -394,16 +397,12 @@ class SessionSupervisor(Supervisor):
         """Interrupt ``running`` and wait until each is idle again; those that are not."""
         self.current.interrupted = False  # the first interrupt goes now
         self._interrupt(running)
-
-        def idle(worker: Rank) -> bool:
-            return worker.idle_task == worker.tasks_sent or not worker.alive
-
         self._read_until(
-            lambda: all(idle(w) for w in running),
+            lambda: all(_idle(w) for w in running),
             _watchdogs.INTERRUPT_GRACE,
-            each=lambda: self._interrupt([w for w in running if not idle(w)]),
+            each=lambda: self._interrupt([w for w in running if not _idle(w)]),
         )
-        return [w for w in running if not idle(w)]
+        return [w for w in running if not _idle(w)]
 
     def _interrupted_error(self) -> KeyboardInterrupt:
         try:
@@ -411,20 +410,17 @@ class SessionSupervisor(Supervisor):
         except KeyboardInterrupt:  # a second interrupt: no more waiting
             stuck = [w for w in self.current.workers if not w.finished]
         ranks = ", ".join(str(w.outcome.rank) for w in self.current.workers)
-        if stuck and self._try_release(stuck):
+        if stuck:
             names = ", ".join(str(w.outcome.rank) for w in stuck)
-            text = (
-                f"the cell was interrupted; rank {names} did not stop (blocked in native code, "
-                f"e.g. a collective) and was freed. {KEPT} The session is still usable."
-            )
-        elif stuck:
-            names = ", ".join(str(w.outcome.rank) for w in stuck)
-            self._give_up(
+            self._free_or_stop(
+                stuck,
+                f"rank {names} did not stop (blocked in native code, e.g. a collective) and "
+                "was freed.",
                 f"rank {names} did not stop (blocked in native code, e.g. a collective), so "
                 "every rank was stopped: the session was restarted with fresh ranks and "
-                "every rank's state was lost"
+                "every rank's state was lost",
             )
-            text = f"the cell was interrupted; {self.lost.reason if self.lost else ''}"
+            text = f"the cell was interrupted; {self._note()}"
         else:
             text = (
                 f"the cell was interrupted on rank {ranks}; the session is still usable "
@@ -437,14 +433,13 @@ class SessionSupervisor(Supervisor):
         frames = self._stacks(live)
         text, stacks = _diagnosis.timeout_report(timeout, self._stuck_views(live, frames), "cell")
         stuck = self._settle_interrupted()
-        if stuck and self._try_release(stuck):
+        if stuck:
             names = ", ".join(str(w.outcome.rank) for w in stuck)
-            text += f"\n\nRank {names} did not stop when interrupted and was freed. {KEPT}"
-        elif stuck:
-            names = ", ".join(str(w.outcome.rank) for w in stuck)
-            self._give_up(
+            self._free_or_stop(
+                stuck,
+                f"Rank {names} did not stop when interrupted and was freed.",
                 f"Rank {names} did not stop when interrupted, so every rank was stopped: the "
-                "session was restarted with fresh ranks and every rank's state was lost."
+                "session was restarted with fresh ranks and every rank's state was lost.",
             )
         text += "\n\n" + self._note()
         outcomes = [w.outcome for w in self.current.workers]

@@ -25,13 +25,15 @@ from datetime import timedelta
 from .._shared import _collectives
 
 
-def drop_connections(peer_pids: list[int]) -> int:
-    """Shut down this process's TCP connections to the processes ``peer_pids`` (the other
-    ranks: their process groups' sockets, never the kernel's store); how many."""
+def drop_connections(rank_pids: list[int]) -> int:
+    """Shut down this process's TCP connections to the other processes of ``rank_pids`` (the
+    session's ranks: their process groups' sockets, never the kernel's store); how many."""
     import psutil
 
     peers: set[tuple[str, int]] = set()
-    for pid in peer_pids:
+    for pid in rank_pids:
+        if pid == os.getpid():
+            continue
         with contextlib.suppress(psutil.Error):
             peers.update(
                 (c.laddr.ip, c.laddr.port)
