@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from . import __version__
 from ._kernel import _scripts
 from ._kernel._errors import LaunchError, UnsafeLaunchError
+from .teach import _editions
 
 
 def _parser(prog: str) -> argparse.ArgumentParser:
@@ -59,6 +61,20 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         "1 when a rank failed or the run timed out, 2 for bad arguments, 130 on Ctrl-C.",
     )
     _scripts.add_options(run)
+    edition = commands.add_parser(
+        "student-edition",
+        help="write the student edition of teaching notebooks (answers blank, no outputs)",
+        description="Make the student edition of solutions-edition notebooks: each exercise's "
+        "answer becomes its blank (with ...), solutions-only cells and every output are left "
+        "out. With --check, write nothing and exit 1 when the editions in OUT are out of date.",
+    )
+    edition.add_argument("sources", nargs="+", type=Path, metavar="NOTEBOOK")
+    edition.add_argument(
+        "--out", type=Path, required=True, metavar="DIR", help="where the student editions go"
+    )
+    edition.add_argument(
+        "--check", action="store_true", help="only say whether the editions in DIR are current"
+    )
     return parser
 
 
@@ -66,6 +82,8 @@ def main(argv: list[str] | None = None, prog: str = "nb-dist") -> int:
     args = _parser(prog).parse_args(argv)
     if args.command == "run":
         return _run(args, f"{prog} run")
+    if args.command == "student-edition":
+        return _student_edition(args, f"{prog} student-edition")
     from ._demo import run_demo  # imports torch: keep --help and --version fast
 
     try:
@@ -84,6 +102,32 @@ def main(argv: list[str] | None = None, prog: str = "nb-dist") -> int:
         print(f"{prog}: the demo failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     return 0 if summary.params_identical else 1
+
+
+def _student_edition(args: argparse.Namespace, prog: str) -> int:
+    """``nb-dist student-edition``: write (or, with --check, compare) the student editions."""
+    missing = [str(p) for p in args.sources if not p.is_file()]
+    if missing:
+        print(f"{prog}: error: no such notebook: {', '.join(missing)}", file=sys.stderr)
+        return 2
+    try:
+        if args.check:
+            stale = _editions.stale_editions(args.sources, args.out)
+            if stale:
+                print(
+                    f"{prog}: out of date in {args.out}: {', '.join(stale)}. Run "
+                    f"'nb-dist student-edition ... --out {args.out}' and commit the result.",
+                    file=sys.stderr,
+                )
+                return 1
+            print(f"{prog}: {len(args.sources)} student edition(s) in {args.out} are current")
+            return 0
+        written = _editions.write_student_editions(args.sources, args.out)
+    except ValueError as exc:  # a malformed exercise: nothing was written for it
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"{prog}: wrote {len(written)} notebook(s) to {args.out}")
+    return 0
 
 
 def _run(args: argparse.Namespace, prog: str) -> int:

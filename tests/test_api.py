@@ -8,6 +8,7 @@ import pkgutil
 import pytest
 
 import nb_dist
+import nb_dist.teach
 import nb_dist.views
 
 PUBLIC = [
@@ -70,6 +71,9 @@ PUBLIC_VIEWS = [
     "scaler_step",
 ]
 
+# The names nb_dist.teach exports (the notebooks' exercise checks).
+PUBLIC_TEACH = ["WrongAnswer", "answered", "check", "check_code"]
+
 
 def _defined_where_it_says(obj) -> bool:
     """``obj.__module__`` and ``obj.__qualname__`` lead back to ``obj``: what help(), pydoc,
@@ -85,12 +89,13 @@ def test_all_is_pinned():
     """Adding or removing a public name is a decision: change this list with it."""
     assert nb_dist.__all__ == PUBLIC
     assert nb_dist.views.__all__ == PUBLIC_VIEWS
+    assert nb_dist.teach.__all__ == PUBLIC_TEACH
 
 
 @pytest.mark.parametrize(
     ("package", "names"),
-    [(nb_dist, PUBLIC), (nb_dist.views, PUBLIC_VIEWS)],
-    ids=["nb_dist", "views"],
+    [(nb_dist, PUBLIC), (nb_dist.views, PUBLIC_VIEWS), (nb_dist.teach, PUBLIC_TEACH)],
+    ids=["nb_dist", "views", "teach"],
 )
 def test_every_public_name_is_nb_dists_own_documented_object(package, names):
     """Each exported name is bound, is an object nb_dist defines (not a re-export of torch's or
@@ -125,7 +130,9 @@ def test_modules_that_are_not_api_are_private_by_name():
         for module in pkgutil.iter_modules(nb_dist.__path__)
         if not module.name.startswith("_")
     }
-    assert public == {"views"}, f"modules that should be _private: {public - {'views'}}"
+    # The teaching widgets and the notebooks' exercise checks are public subpackages.
+    expected = {"views", "teach"}
+    assert public == expected, f"modules that should be _private: {public - expected}"
 
 
 def test_a_launch_error_is_what_accelerate_users_catch():

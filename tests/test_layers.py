@@ -35,6 +35,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
         "nb_dist._rank._regroup",  # the functions a session calls on its ranks to free them
     ),
     "nb_dist.views": (),
+    "nb_dist.teach": (),
 }
 
 

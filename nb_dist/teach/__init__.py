@@ -1,0 +1,16 @@
+"""Exercises for the teaching notebooks: runs in the kernel, beside the notebook's own code.
+
+A notebook asks a question in a cell that sets ``answer`` (or defines a function for the
+student to write), and checks it in the next cell with :func:`check` or :func:`check_code`.
+The solutions edition (``notebooks/``) carries the answers; the student edition
+(``notebooks/student/``) is made from it by ``nb-dist student-edition``, with every answer
+replaced by ``...``. A check on a ``...`` says "not answered yet" and lets Run All go on.
+"""
+
+from __future__ import annotations
+
+from .exercises import NOT_ANSWERED as NOT_ANSWERED
+from .exercises import WrongAnswer, answered, check, check_code
+
+# NOT_ANSWERED (the text a check prints for a blank) is importable, not exported.
+__all__ = ["WrongAnswer", "answered", "check", "check_code"]

@@ -1,0 +1,116 @@
+"""``check`` and ``check_code``: a student's prediction or code against what the code computes.
+
+Strict about types where a learner's slip would hide a misunderstanding: ``True`` is not
+``1`` and ``0`` is not ``False``; a number is compared with a relative tolerance of 1e-6
+(``4`` matches ``4.0``); lists and tuples compare element by element. An answer still holding
+``...`` (the student edition's blank) is "not answered yet": it prints that and returns
+``False`` without raising, so Run All goes on past an unanswered exercise.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import math
+import textwrap
+from collections.abc import Callable, Mapping
+from typing import TypeVar
+
+T = TypeVar("T")
+
+NOT_ANSWERED = (
+    "not answered yet: replace each ... in the cell above with your answer, then run that "
+    "cell and this one again."
+)
+
+
+class WrongAnswer(AssertionError):
+    """The answer differs from what the code computed; the message ends with a hint."""
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def same(answer: object, truth: object, rel: float = 1e-6) -> bool:
+    """Whether ``answer`` matches ``truth`` under the rules in this module's docstring."""
+    if isinstance(answer, bool) or isinstance(truth, bool):
+        return isinstance(answer, bool) and isinstance(truth, bool) and answer == truth
+    if _is_number(answer) and _is_number(truth):
+        a, t = float(answer), float(truth)  # type: ignore[arg-type]
+        if a == t or (math.isnan(a) and math.isnan(t)):
+            return True
+        return math.isfinite(a) and math.isfinite(t) and abs(a - t) <= rel * max(1.0, abs(t))
+    if isinstance(answer, list | tuple) and isinstance(truth, list | tuple):
+        return len(answer) == len(truth) and all(
+            same(a, t, rel) for a, t in zip(answer, truth, strict=True)
+        )
+    if isinstance(answer, Mapping) and isinstance(truth, Mapping):
+        return set(answer) == set(truth) and all(same(answer[k], truth[k], rel) for k in truth)
+    if isinstance(answer, str | bytes) or isinstance(truth, str | bytes):
+        return type(answer) is type(truth) and answer == truth
+    if _is_number(answer) or _is_number(truth):
+        return False  # a number against a string, a list, None...
+    try:
+        return bool(answer == truth)
+    except Exception:  # e.g. tensors of different shapes
+        return False
+
+
+def _holds_ellipsis(node: ast.AST) -> bool:
+    return any(
+        isinstance(child, ast.Constant) and child.value is Ellipsis for child in ast.walk(node)
+    )
+
+
+def answered(answer: object) -> bool:
+    """``False`` while the answer still holds the student edition's ``...``: the value itself,
+    inside a list, tuple or dict, or anywhere in a function's source (a stub's body, or the
+    ``...`` line in a loop to repair)."""
+    if answer is Ellipsis:
+        return False
+    if isinstance(answer, list | tuple):
+        return all(answered(item) for item in answer)
+    if isinstance(answer, dict):
+        return all(answered(item) for item in answer.values())
+    if inspect.isfunction(answer) or inspect.ismethod(answer) or inspect.isclass(answer):
+        try:
+            source = textwrap.dedent(inspect.getsource(answer))
+        except (OSError, TypeError):  # no source to read (e.g. built in a string): trust it
+            return True
+        try:
+            tree = ast.parse(source)
+        except SyntaxError:
+            return True
+        return not _holds_ellipsis(tree)
+    return True
+
+
+def check(answer: object, truth: object, hint: str) -> bool:
+    """Print ``right: <truth>`` and return ``True`` when ``answer`` matches ``truth``; print
+    :data:`NOT_ANSWERED` and return ``False`` while it holds ``...``; otherwise raise
+    :class:`WrongAnswer` with what was said, what the code gives, and ``hint``."""
+    if not answered(answer):
+        print(NOT_ANSWERED)
+        return False
+    if same(answer, truth):
+        print(f"right: {truth!r}")
+        return True
+    raise WrongAnswer(f"not quite: you said {answer!r}, the code gives {truth!r}. {hint}")
+
+
+def check_code(solution: T, run: Callable[[T], object], expected: object, hint: str) -> bool:
+    """Check a student's code: ``run(solution)`` (which may launch ranks) must give
+    ``expected``. While ``solution`` still holds ``...``, nothing runs: it prints
+    :data:`NOT_ANSWERED` and returns ``False``."""
+    if not answered(solution):
+        print(NOT_ANSWERED)
+        return False
+    got = run(solution)
+    if same(got, expected):
+        print(f"right: {expected!r}")
+        return True
+    raise WrongAnswer(f"not yet: your code gives {got!r}, it should give {expected!r}. {hint}")
+
+
+__all__ = ["NOT_ANSWERED", "WrongAnswer", "answered", "check", "check_code", "same"]

@@ -1,0 +1,245 @@
+"""The exercises' checks and the student edition, as pure functions and as the command."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nb_dist.teach import NOT_ANSWERED, WrongAnswer, answered, check, check_code
+from nb_dist.teach._editions import (
+    BANNER,
+    dumps,
+    exercises,
+    stale_editions,
+    student_edition,
+    write_student_editions,
+)
+from nb_dist.teach.exercises import same
+
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+
+
+# ------------------------------------------------------------------------------------ check
+@pytest.mark.parametrize(
+    ("answer", "truth"),
+    [
+        (4, 4),
+        (4, 4.0),
+        (4.0, 4),
+        (0.1 + 0.2, 0.3),
+        (float("inf"), float("inf")),
+        ([3, 7, 0], [3, 7, 0]),
+        ([3, 7, 0], (3, 7, 0)),
+        ((float("inf"), 1.0), (float("inf"), 1)),
+        (False, False),
+        (True, True),
+        ("gloo", "gloo"),
+        ({"a": 1}, {"a": 1.0}),
+        (None, None),
+    ],
+)
+def test_matching_answers(answer, truth):
+    assert same(answer, truth)
+
+
+@pytest.mark.parametrize(
+    ("answer", "truth"),
+    [
+        (0, False),  # a learner's 0 is not the boolean the code computed
+        (True, 1),
+        (1, True),
+        (False, 0.0),
+        (2.86, 2.857142857),  # rounded too far
+        (3, 4),
+        ([3, 7], [3, 7, 0]),
+        ([3, 7, "0"], [3, 7, 0]),
+        ("4", 4),
+        (4, "4"),
+        (None, 0),
+        ({"a": 1}, {"b": 1}),
+        (float("nan"), 1.0),
+        (float("inf"), 65504.0),
+    ],
+)
+def test_answers_that_do_not_match(answer, truth):
+    assert not same(answer, truth)
+
+
+def test_check_prints_right_and_returns_true(capsys):
+    assert check(4, 4.0, "Hint: none needed.") is True
+    assert capsys.readouterr().out == "right: 4.0\n"
+
+
+def test_check_raises_with_what_was_said_what_the_code_gives_and_the_hint():
+    with pytest.raises(WrongAnswer) as caught:
+        check(0, False, "Hint: the weights differ.")
+    message = str(caught.value)
+    assert "you said 0" in message and "gives False" in message
+    assert message.endswith("Hint: the weights differ.")
+    assert isinstance(caught.value, AssertionError)  # an `except AssertionError` still works
+
+
+@pytest.mark.parametrize("blank", [..., [..., 2], (1, ...), {"x": ...}])
+def test_a_blank_answer_is_not_answered_yet_and_does_not_raise(blank, capsys):
+    assert not answered(blank)
+    assert check(blank, 1, "Hint.") is False
+    assert capsys.readouterr().out == NOT_ANSWERED + "\n"
+
+
+def _stub(model): ...
+
+
+def _repair(values):
+    total = 0
+    for _value in values:
+        ...  # repair: add the value to the total
+    return total
+
+
+def _solved(values):
+    return sum(values)
+
+
+def test_a_function_is_answered_once_no_ellipsis_is_left_in_it():
+    assert not answered(_stub)
+    assert not answered(_repair)
+    assert answered(_solved)
+    assert answered(len)  # no Python source to read: taken as answered
+    namespace: dict[str, object] = {}
+    exec("def built(x):\n    ...\n", namespace)  # no source file: taken as answered
+    assert answered(namespace["built"])
+
+
+def test_check_code_runs_only_answered_code(capsys):
+    ran = []
+
+    def run(fn):
+        ran.append(fn)
+        return fn([1, 2, 3])
+
+    assert check_code(_repair, run, 6, "Hint.") is False
+    assert ran == [] and capsys.readouterr().out == NOT_ANSWERED + "\n"
+    assert check_code(_solved, run, 6, "Hint.") is True
+    assert capsys.readouterr().out == "right: 6\n"
+    with pytest.raises(WrongAnswer, match=r"your code gives 2, it should give 6\. Hint: sum\."):
+        check_code(lambda values: len(values) - 1, run, 6, "Hint: sum.")
+
+
+# ------------------------------------------------------------------------------- editions
+def _notebook(*cells: dict) -> dict:
+    return {"cells": list(cells), "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+
+
+def _code(source: str, **metadata: object) -> dict:
+    return {
+        "cell_type": "code",
+        "execution_count": 3,
+        "id": f"c{abs(hash(source)) % 10**6}",
+        "metadata": dict(metadata),
+        "outputs": [{"name": "stdout", "output_type": "stream", "text": ["right: 4\n"]}],
+        "source": source,
+    }
+
+
+def _markdown(source: str, **metadata: object) -> dict:
+    return {"cell_type": "markdown", "id": "m", "metadata": dict(metadata), "source": source}
+
+
+EXERCISE = {"id": "x-1", "blank": "answer = ...  # your prediction", "wrong": "answer = 3"}
+
+
+def test_the_student_edition_has_blanks_no_key_no_outputs():
+    source = _notebook(
+        _markdown("# Title"),
+        _code("answer = 4  # your prediction", exercise=EXERCISE),
+        _code("check(answer, 2 + 2, 'Hint.')", tags=["raises-exception"]),
+        _markdown("Four, because two and two.", edition="solutions"),
+    )
+    student = student_edition(source)
+    sources = ["".join(c["source"]) for c in student["cells"]]
+    assert sources == ["# Title", BANNER, EXERCISE["blank"], "check(answer, 2 + 2, 'Hint.')"]
+    text = dumps(student)
+    assert "answer = 4" not in text and "answer = 3" not in text and "two and two" not in text
+    for cell in student["cells"]:
+        assert "exercise" not in cell["metadata"] and "edition" not in cell["metadata"]
+        if cell["cell_type"] == "code":
+            assert cell["outputs"] == [] and cell["execution_count"] is None
+            assert "nbval-ignore-output" in cell["metadata"]["tags"]
+    assert "raises-exception" in student["cells"][3]["metadata"]["tags"]
+    assert source["cells"][1]["source"] == "answer = 4  # your prediction"  # source untouched
+
+
+@pytest.mark.parametrize(
+    ("spec", "cells_after", "message"),
+    [
+        ({"id": "a", "blank": "answer = 0", "wrong": "answer = 3"}, 1, "must hold '...'"),
+        ({"id": "a", "blank": "answer = ...", "wrong": "answer = 4"}, 1, "the key itself"),
+        ({"id": "a", "blank": "answer = ..."}, 1, "lacks ['wrong']"),
+        (EXERCISE, 0, "no code cell after"),
+    ],
+)
+def test_a_malformed_exercise_is_refused_by_name(spec, cells_after, message):
+    cells = [_code("answer = 4", exercise=spec)] + [_code("check(answer, 4, 'h')")] * cells_after
+    with pytest.raises(ValueError, match=re.escape(message)) as caught:
+        exercises(_notebook(*cells), "lesson.ipynb")
+    assert "lesson.ipynb cell 0" in str(caught.value)
+
+
+def test_repeated_ids_are_refused():
+    cells = [_code("answer = 4", exercise=EXERCISE), _code("check()")] * 2
+    with pytest.raises(ValueError, match="ids repeat"):
+        exercises(_notebook(*cells), "lesson.ipynb")
+
+
+def test_the_committed_student_editions_are_current():
+    """notebooks/student/ is what `nb-dist student-edition` makes of notebooks/ today."""
+    sources = sorted(NOTEBOOKS.glob("*.ipynb"))
+    assert stale_editions(sources, NOTEBOOKS / "student") == []
+
+
+def test_every_teaching_notebook_has_exercises_and_the_kit_has_coding_ones():
+    counts = {
+        p.name: exercises(json.loads(p.read_text()), p.name)
+        for p in sorted(NOTEBOOKS.glob("[0-9]*.ipynb"))
+    }
+    assert all(counts.values()), [name for name, found in counts.items() if not found]
+    coding = [e.id for found in counts.values() for e in found if "def " in e.key]
+    assert len(coding) >= 5, coding
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "nb_dist", "student-edition", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=60,
+    )
+
+
+def test_the_command_writes_checks_and_refuses(tmp_path):
+    lesson = tmp_path / "lesson.ipynb"
+    lesson.write_text(
+        dumps(_notebook(_code("answer = 4", exercise=EXERCISE), _code("check(answer, 4, 'h')")))
+    )
+    out = tmp_path / "student"
+    stale = _cli("lesson.ipynb", "--out", "student", "--check", cwd=tmp_path)
+    assert stale.returncode == 1 and "out of date in student: lesson.ipynb" in stale.stderr
+    made = _cli("lesson.ipynb", "--out", "student", cwd=tmp_path)
+    assert made.returncode == 0, made.stderr
+    assert write_student_editions([lesson], tmp_path / "again") == [
+        tmp_path / "again" / lesson.name
+    ]
+    assert (out / "lesson.ipynb").read_text() == (tmp_path / "again" / "lesson.ipynb").read_text()
+    current = _cli("lesson.ipynb", "--out", "student", "--check", cwd=tmp_path)
+    assert current.returncode == 0 and "are current" in current.stdout
+    missing = _cli("nothere.ipynb", "--out", "student", cwd=tmp_path)
+    assert missing.returncode == 2 and "no such notebook: nothere.ipynb" in missing.stderr
+    lesson.write_text(dumps(_notebook(_code("answer = 4", exercise={"id": "a"}), _code("c"))))
+    bad = _cli("lesson.ipynb", "--out", "student", cwd=tmp_path)
+    assert bad.returncode == 2 and "lacks ['blank', 'wrong']" in bad.stderr
