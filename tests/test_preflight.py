@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 import nb_dist
 from nb_dist import UnsafeLaunchError, WorkerFailedError, notebook_launcher
+from nb_dist._kernel._plan import device_choice
 
 
 # ---------------------------------------------------------------- worker functions
@@ -524,3 +525,42 @@ def test_cuda_touched_in_caller_refuses_fork_and_allows_spawn(tmp_path):
         "start_method='spawn'",
         "SPAWNED: [",
     )
+
+
+# ------------------------------------------------------------ devices, given the visible GPUs
+@pytest.mark.parametrize(
+    ("device", "num_processes", "gpus", "expected"),
+    [
+        ("auto", 2, 0, (False, 2)),
+        ("cpu", 4, 8, (False, 4)),
+        ("auto", 2, 2, (True, 2)),
+        ("auto", None, 4, (True, 4)),
+        ("cuda", 1, 1, (True, 1)),
+    ],
+)
+def test_device_choice_without_a_notice(device, num_processes, gpus, expected):
+    assert device_choice(device, num_processes, gpus) == (*expected, None)
+
+
+def test_more_ranks_than_gpus_run_on_the_cpu_by_default_with_a_notice():
+    """A notebook written for a laptop (2 ranks) on a one-GPU machine: gloo on the CPU, and
+    the cell says why and how to use the GPU."""
+    use_gpu, n, notice = device_choice("auto", 2, 1)
+    assert (use_gpu, n) == (False, 2)
+    assert notice is not None
+    _assert_mentions(notice, "num_processes=2", "1 GPU(s)", "CPU with gloo", "device='cuda'")
+
+
+@pytest.mark.parametrize(
+    ("device", "num_processes", "gpus", "words"),
+    [
+        ("cuda", 2, 1, ("num_processes=2", "device='cuda'", "only 1 GPU(s)", "'auto'")),
+        ("cuda", 1, 0, ("device='cuda'", "no GPU is visible", "device='cpu'")),
+        ("auto", None, 0, ("num_processes=None", "num_processes=2")),
+        ("cpu", None, 4, ("num_processes=None", "num_processes=2")),
+    ],
+)
+def test_device_choices_that_are_refused(device, num_processes, gpus, words):
+    with pytest.raises(ValueError) as caught:
+        device_choice(device, num_processes, gpus)
+    _assert_mentions(str(caught.value), *words)

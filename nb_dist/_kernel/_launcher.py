@@ -97,7 +97,8 @@ def notebook_launcher(
             is kept in ``result.logs`` either way.
         init_process_group: create the default process group in each worker before calling
             ``function`` (off by default, so code that creates it itself runs unchanged).
-        device: ``"auto"`` (GPUs if any, else CPU), ``"cpu"`` or ``"cuda"``.
+        device: ``"auto"`` (one GPU per rank if enough are visible; else CPU, with a notice
+            when there are GPUs but fewer than ranks), ``"cpu"`` or ``"cuda"``.
         threads_per_process: intra-op threads per worker. Default: cores / workers, unless
             ``OMP_NUM_THREADS`` is set. Safe with fork after the kernel ran multi-threaded
             torch work: the kernel's OpenMP pool is released before forking (see _openmp.py).

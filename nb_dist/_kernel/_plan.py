@@ -169,11 +169,12 @@ def decide(plan: LaunchPlan, options: LaunchOptions) -> LaunchPlan:
     _check_multi_node(plan.num_nodes, plan.port, plan.max_restarts)  # 3. Combinations.
     _preflight.check_process_group()  # 4. The kernel's state.
     _preflight.check_accelerate_state()
-    use_gpu, nprocs = _devices(plan.device, num_processes, plan.start_method)  # 5. Devices.
-    method = plan.start_method
+    use_gpu, nprocs, device_notice = _devices(plan.device, num_processes, plan.start_method)
+    method = plan.start_method  # 5. Devices, above.
     if method == "fork" and "fork" not in multiprocessing.get_all_start_methods():
         method = "spawn"  # e.g. Windows: no fork; spawn ships the function with cloudpickle
     threads, notices = _threads(threads_per_process, nprocs), list(plan.notices)
+    notices += [device_notice] if device_notice else []
     if method == "fork":  # 6. Threads fork can give.
         threads, notice = _fork_safe_threads(threads, explicit=threads_per_process is not None)
         notices += [notice] if notice else []
@@ -273,11 +274,27 @@ def _check_multi_node(num_nodes: int, port: int | None, restarts: int) -> None:
         )
 
 
-def _devices(device: str, num_processes: int | None, method: str) -> tuple[bool, int]:
-    """Whether ranks use GPUs, and how many ranks (``None``: one per GPU)."""
+def _devices(device: str, num_processes: int | None, method: str) -> tuple[bool, int, str | None]:
+    """Whether ranks use GPUs, how many ranks, and a notice: :func:`device_choice` on what
+    the probe sees (which never initializes CUDA); a poisoned fork is refused."""
     cuda = _preflight.probe_cuda() if device != "cpu" else _preflight.CudaState(0, False, None)
-    use_gpu = device == "cuda" or (device == "auto" and cuda.gpus > 0)
-    if use_gpu and cuda.gpus == 0:
+    use_gpu, num_processes, notice = device_choice(device, num_processes, cuda.gpus)
+    if use_gpu and cuda.poisoned and method == "fork":
+        raise _preflight.cuda_poisoned_error(cuda)
+    return use_gpu, num_processes, notice
+
+
+def device_choice(
+    device: str, num_processes: int | None, gpus: int
+) -> tuple[bool, int, str | None]:
+    """Whether ranks use GPUs, how many ranks (``None``: one per GPU), and a notice, given
+    the number of visible GPUs.
+
+    With the default ``device="auto"``, more ranks than visible GPUs run on the CPU (gloo)
+    with a notice, so a notebook written for a laptop also runs on a one-GPU machine (Colab);
+    ``device="cuda"`` asks for GPUs, and too many ranks are refused."""
+    use_gpu = device == "cuda" or (device == "auto" and gpus > 0)
+    if use_gpu and gpus == 0:
         raise ValueError(
             "device='cuda' but no GPU is visible to this kernel (check CUDA_VISIBLE_DEVICES "
             "and the driver). Use device='cpu' (or the default 'auto') to run on CPU."
@@ -288,16 +305,24 @@ def _devices(device: str, num_processes: int | None, method: str) -> tuple[bool,
                 "num_processes=None means one process per GPU, and no GPU is in use here. "
                 "Say how many CPU processes to start, e.g. num_processes=2."
             )
-        num_processes = cuda.gpus
-    if use_gpu and num_processes > cuda.gpus:
-        raise ValueError(
-            f"num_processes={num_processes} but only {cuda.gpus} GPU(s) are visible: each "
-            f"process needs its own GPU. Use num_processes={cuda.gpus} or fewer, or "
-            "device='cpu'."
+        return True, gpus, None
+    if use_gpu and device == "auto" and num_processes > gpus:
+        return (
+            False,
+            num_processes,
+            (
+                f"num_processes={num_processes} but {gpus} GPU(s) are visible, so the ranks run "
+                "on the CPU with gloo. For GPUs, pass device='cuda' with "
+                f"num_processes={gpus} or fewer (one process per GPU)."
+            ),
         )
-    if use_gpu and cuda.poisoned and method == "fork":
-        raise _preflight.cuda_poisoned_error(cuda)
-    return use_gpu, num_processes
+    if use_gpu and num_processes > gpus:
+        raise ValueError(
+            f"num_processes={num_processes} with device='cuda' but only {gpus} GPU(s) are "
+            f"visible: each process needs its own GPU. Use num_processes={gpus} or fewer, or "
+            "device='cpu' (or the default 'auto', which runs more ranks than GPUs on the CPU)."
+        )
+    return use_gpu, num_processes, None
 
 
 def _check_rdzv_backend(backend: object, num_nodes: int) -> None:
