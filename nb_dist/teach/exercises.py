@@ -86,30 +86,30 @@ def answered(answer: object) -> bool:
     return True
 
 
-def check(answer: object, truth: object, hint: str) -> bool:
-    """Print ``right: <truth>`` and return ``True`` when ``answer`` matches ``truth``; print
-    :data:`NOT_ANSWERED` and return ``False`` while it holds ``...``; otherwise raise
-    :class:`WrongAnswer` with what was said, what the code gives, and ``hint``."""
+def check(answer: object, truth: object, hint: str) -> None:
+    """Print ``right: <truth>`` when ``answer`` matches ``truth``; print :data:`NOT_ANSWERED`
+    while it holds ``...``; otherwise raise :class:`WrongAnswer` with what was said, what the
+    code gives, and ``hint``. Returns nothing, so a check cell shows only its line."""
     if not answered(answer):
         print(NOT_ANSWERED)
-        return False
+        return
     if same(answer, truth):
         print(f"right: {truth!r}")
-        return True
+        return
     raise WrongAnswer(f"not quite: you said {answer!r}, the code gives {truth!r}. {hint}")
 
 
-def check_code(solution: T, run: Callable[[T], object], expected: object, hint: str) -> bool:
+def check_code(solution: T, run: Callable[[T], object], expected: object, hint: str) -> None:
     """Check a student's code: ``run(solution)`` (which may launch ranks) must give
     ``expected``. While ``solution`` still holds ``...``, nothing runs: it prints
-    :data:`NOT_ANSWERED` and returns ``False``."""
+    :data:`NOT_ANSWERED`."""
     if not answered(solution):
         print(NOT_ANSWERED)
-        return False
+        return
     got = run(solution)
     if same(got, expected):
         print(f"right: {expected!r}")
-        return True
+        return
     raise WrongAnswer(f"not yet: your code gives {got!r}, it should give {expected!r}. {hint}")
 
 
