@@ -131,6 +131,12 @@ def test_every_torch_private_nb_dist_uses_exists_on_this_torch(private):
             f"a function, so nb_dist cannot {'wrap' if private.use == 'wrapped' else 'call'} "
             f"it; without it {private.without}. Teach nb_dist/_shared/_torch_compat.py."
         )
+    if private.use == "counter reset":
+        assert isinstance(getattr(found, "group_count", None), int), (
+            f"torch {torch.__version__}'s {private.qualified} has no integer group_count, "
+            f"which nb_dist resets in a forked rank; without it {private.without}. Teach "
+            "nb_dist/_shared/_torch_compat.py."
+        )
     if private.use == "read":
         assert isinstance(found, dict), (
             f"torch {torch.__version__}'s {private.qualified} is a {type(found).__name__}, "

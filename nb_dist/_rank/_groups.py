@@ -52,6 +52,25 @@ def install(c10d: Any = None) -> list[str]:
     ]
 
 
+def fresh_group_names(c10d: Any = None) -> bool:
+    """Number this rank's process groups from 0, as in a fresh process; whether it had to.
+
+    torch names a group by a counter that lives in the process (``"0"`` for the first
+    default group). A forked rank inherits the kernel's: after a process group was created
+    and destroyed in the kernel, or an ``init_process_group`` there failed, the counter is
+    no longer 0, the forked ranks' group is named ``"1"``, and ranks started fresh (a second
+    node, a spawned rank) that name theirs ``"0"`` wait for each other forever."""
+    if c10d is None:
+        c10d = _torch_compat.c10d()
+    world = _torch_compat.lookup(c10d, "_world") if c10d is not None else None
+    if world is None or c10d.is_initialized():
+        return False
+    if getattr(world[0], "group_count", 0) == 0:
+        return False
+    world[0].group_count = 0
+    return True
+
+
 def _keeping(original: Any) -> Any:
     if getattr(original, "_nb_dist_keeps", False):
         return original  # installed already

@@ -33,7 +33,7 @@ CHECKED_WITH = "2.13"
 
 #: How nb_dist uses a private: replaces it by a wrapper, calls it, reads it (a table), or sets
 #: it on an instance of torch's class.
-Use = Literal["wrapped", "called", "read", "set on an instance"]
+Use = Literal["wrapped", "called", "read", "set on an instance", "counter reset"]
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,10 @@ PRIVATES: tuple[Private, ...] = (
             "no rendezvous watchdog; the default group may be freed while its threads run"),
     Private(_C10D, "_new_process_group_helper", "wrapped", "_rank/_groups.py", "1.0",
             "a group may be destroyed while its threads still run (a hang or SIGABRT at exit)"),
+    Private(_C10D, "_world", "counter reset", "_rank/_groups.py", "1.x (group_count)",
+            "after a process group was created or failed in the kernel, forked ranks name "
+            "their groups differently from ranks started fresh (another node): they wait "
+            "for each other until the timeout"),
     Private(_C10D, "_pg_map", "read", "_rank/_debug.py", "1.0",
             "a rank paused at a breakpoint keeps torch's collective timeout"),
     Private(_C10D, "_set_pg_timeout", "called", "_rank/_debug.py",
