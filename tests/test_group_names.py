@@ -69,3 +69,22 @@ def test_ranks_name_their_group_as_fresh_processes_do(before, code, method, tmp_
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "NAMES ['0', '0']" in run.stdout, run.stdout + run.stderr[-2000:]
+
+
+def test_the_counter_is_reset_only_when_it_moved_and_no_group_is_up():
+    """The reset itself, on stand-ins for torch's module (the launch tests above show it)."""
+    import types
+
+    from nb_dist._rank._groups import fresh_group_names
+
+    def c10d(count: int, up: bool) -> types.SimpleNamespace:
+        world = types.SimpleNamespace(group_count=count)
+        return types.SimpleNamespace(
+            __name__="torch.distributed.distributed_c10d", _world=world, is_initialized=lambda: up
+        )
+
+    moved = c10d(3, up=False)
+    assert fresh_group_names(moved) is True and moved._world.group_count == 0
+    assert fresh_group_names(c10d(0, up=False)) is False
+    running = c10d(2, up=True)  # a group is up: its name must not change under it
+    assert fresh_group_names(running) is False and running._world.group_count == 2

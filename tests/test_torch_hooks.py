@@ -227,6 +227,10 @@ DEGRADED = {
         _torch_compat.set_group_timeouts(HOUR, _fake(C10D, _pg_map={"group": None})),
         [f"torch {torch.__version__} has no {C10D}._set_pg_timeout"],
     ),
+    f"{C10D}._world": lambda: (
+        _groups.fresh_group_names(_fake(C10D, is_initialized=lambda: False)),
+        False,
+    ),
     "torch.distributed._functional_collectives.traceable_collective_remaps": lambda: (
         _torch_compat.collective_remaps(_fake("torch.distributed._functional_collectives")),
         {},

@@ -33,6 +33,8 @@ from ._oneshot import flush_all
 from ._spec import WorkerChannels, WorkerSpec
 
 _PR_SET_PDEATHSIG = 1
+#: What the kernel (or a node's agent) signals a rank with: stop, interrupt, dump the stack.
+_KERNEL_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGUSR1}
 
 
 def spawn_main() -> None:
@@ -107,6 +109,10 @@ def _detach_from_kernel(spec: WorkerSpec, channels: WorkerChannels, forked: bool
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # The signals the kernel stops, interrupts and asks for stacks with must get through: a
+    # process started from a thread that blocks them (a Ray worker's, on a cluster node)
+    # inherits them blocked, and a blocked SIGINT or SIGUSR1 is silently dropped.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _KERNEL_SIGNALS)
     # Python-level stacks on demand (the kernel sends SIGUSR1 on a hang or timeout) and on a
     # crash. faulthandler writes from the signal handler in C, so it works even while the main
     # thread is blocked inside a collective.
@@ -268,6 +274,7 @@ def _prepare_torch(spec: WorkerSpec, send: Callable[[_protocol.Message], None]) 
 
     _rendezvous.install(send, spec.env["MASTER_ADDR"], int(spec.env["MASTER_PORT"]))
     _groups.install()  # no process group is destroyed before os._exit (a hang or SIGABRT)
+    _groups.fresh_group_names()  # as in a fresh process, whatever the kernel did before
     counter = spec.env.get(COLLECTIVES_ENV)
     if counter:
         from .._shared import _collectives
