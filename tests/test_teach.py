@@ -243,3 +243,13 @@ def test_the_command_writes_checks_and_refuses(tmp_path):
     lesson.write_text(dumps(_notebook(_code("answer = 4", exercise={"id": "a"}), _code("c"))))
     bad = _cli("lesson.ipynb", "--out", "student", cwd=tmp_path)
     assert bad.returncode == 2 and "lacks ['blank', 'wrong']" in bad.stderr
+
+
+def test_no_student_edition_gives_a_prediction_away():
+    """The key's answer line (``answer = 4``) appears nowhere in the student edition."""
+    for source in sorted(NOTEBOOKS.glob("*.ipynb")):
+        student = (NOTEBOOKS / "student" / source.name).read_text()
+        for exercise in exercises(json.loads(source.read_text()), source.name):
+            if exercise.key.startswith("answer = "):
+                line = exercise.key.splitlines()[0].split("#")[0].strip()
+                assert json.dumps(line)[1:-1] not in student, (source.name, exercise.id, line)
