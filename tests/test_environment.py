@@ -336,3 +336,18 @@ def test_unpicklable_return_value_names_rank_and_type(kind, type_name):
     assert "Return something picklable" in str(error)
     assert error.root_cause.rank == 1
     assert error.outcomes[0].status in ("ok", "stopped")
+
+
+# ------------------------------------------- init_process_group completes on every rank first
+def _init_barrier_setting() -> str | None:
+    return os.environ.get("TORCH_DIST_INIT_BARRIER")
+
+
+def test_ranks_use_torchs_init_barrier_unless_the_user_says_otherwise(monkeypatch):
+    """Without it, a rank whose function returns right after init_process_group can exit
+    while a slower peer still connects to it, which then fails ("Connection closed by peer"):
+    measured in bench/init_race.py (a race: too rare on an idle machine for a test)."""
+    monkeypatch.delenv("TORCH_DIST_INIT_BARRIER", raising=False)
+    assert list(notebook_launcher(_init_barrier_setting, num_processes=2)) == ["1", "1"]
+    monkeypatch.setenv("TORCH_DIST_INIT_BARRIER", "0")
+    assert list(notebook_launcher(_init_barrier_setting, num_processes=2)) == ["0", "0"]

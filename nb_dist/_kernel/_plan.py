@@ -145,6 +145,12 @@ class LaunchPlan:
             "MIXED_PRECISION": mixed,
             "NPROC": str(self.nprocs),
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+            # torch's own store-based barrier at the end of init_process_group and new_group:
+            # without it a rank whose function returns right after init exits while a slower
+            # peer is still connecting its mesh to it, and that peer fails with "Connection
+            # closed by peer" (5 launches in 100 of init-and-return on a loaded 2-core box).
+            # A user's own setting wins (os.environ is laid under this by the rank).
+            "TORCH_DIST_INIT_BARRIER": os.environ.get("TORCH_DIST_INIT_BARRIER", "1"),
         }
         if self.threads is not None:
             env["OMP_NUM_THREADS"] = str(self.threads)
