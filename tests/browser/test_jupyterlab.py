@@ -154,10 +154,25 @@ def change_precision_value(page: Page, screenshots_dir: Path) -> None:
     assert after != before
 
 
+def move_pipeline_microbatches(page: Page, screenshots_dir: Path) -> None:
+    """One more microbatch on the AFAB timeline's slider: the bubble (p-1)/m shrinks."""
+    view = page.locator(".widget-vbox").filter(has_text="m (microbatches)").first
+    html = view.locator(".widget-html")
+    before = wait_for_text(html, "bubble (idle / compute): 0.375", VIEW_UPDATE_WITHIN)
+    screenshot(view, screenshots_dir, "pipeline_timeline.png")
+    slider = view.locator(".widget-slider").filter(has_text="m (microbatches)")
+    handle = slider.locator(".noUi-handle")
+    handle.focus()
+    handle.press("ArrowRight")  # m = 8 -> 9 on p = 4 stages: 3/9
+    after = wait_for_text(html, "bubble (idle / compute): 0.333", VIEW_UPDATE_WITHIN)
+    assert after != before
+
+
 INTERACTIONS: dict[str, Callable[[Page, Path], None]] = {
     "02_sharding.ipynb": move_shard_explorer_epoch,
     "03_allreduce_and_gradients.ipynb": step_allreduce_and_gradients,
     "04_mixed_precision.ipynb": change_precision_value,
+    "16_pipeline_parallelism.ipynb": move_pipeline_microbatches,
 }
 
 
