@@ -351,3 +351,18 @@ def test_ranks_use_torchs_init_barrier_unless_the_user_says_otherwise(monkeypatc
     assert list(notebook_launcher(_init_barrier_setting, num_processes=2)) == ["1", "1"]
     monkeypatch.setenv("TORCH_DIST_INIT_BARRIER", "0")
     assert list(notebook_launcher(_init_barrier_setting, num_processes=2)) == ["0", "0"]
+
+
+def _visible_devices() -> str | None:
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+def test_cpu_ranks_see_no_gpu(monkeypatch):
+    """Ranks on the CPU (device='cpu', or the default with fewer GPUs than ranks) see no GPU,
+    so init_process_group() without a backend picks gloo (with a GPU in view torch picks
+    NCCL, which fails on CPU tensors: found on a one-GPU machine)."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    if nb_dist._kernel._preflight.probe_cuda().gpus >= 3:  # the default would use GPUs
+        pytest.skip("3 or more GPUs are visible: the default runs these ranks on GPUs")
+    assert list(notebook_launcher(_visible_devices, num_processes=3)) == ["", "", ""]
+    assert list(notebook_launcher(_visible_devices, num_processes=2, device="cpu")) == ["", ""]

@@ -164,7 +164,10 @@ class LaunchPlan:
             # Accelerate only picks MULTI_CPU (gloo, one process per rank) when told to use
             # the CPU; without it, Accelerator() in each worker would see a single process.
             env["ACCELERATE_USE_CPU"] = "true"
-        if self.device == "cpu":
+        if self.device == "cpu" or (self.device == "auto" and not self.use_gpu):
+            # CPU ranks see no GPU: code that calls init_process_group() without a backend
+            # then gets gloo (with a GPU in view torch picks NCCL, which has no CPU tensors:
+            # "No backend type associated with device type cpu"), and nothing touches one.
             env["CUDA_VISIBLE_DEVICES"] = ""
         return env
 
