@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging as _logging
 import os as _os
 
+from ._cluster._ray_cluster import RayCluster  # imports Ray only when a cluster is made
 from ._kernel._errors import (
     LaunchError,
     LaunchTimeoutError,
@@ -74,6 +75,7 @@ __all__ = [
     "PrecisionExplorer",
     "RankOutcome",
     "Ranks",
+    "RayCluster",
     "RendezvousTimeoutError",
     "ReportEntry",
     "Reports",

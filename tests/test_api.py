@@ -21,6 +21,7 @@ PUBLIC = [
     "PrecisionExplorer",
     "RankOutcome",
     "Ranks",
+    "RayCluster",
     "RendezvousTimeoutError",
     "ReportEntry",
     "Reports",

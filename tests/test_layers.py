@@ -3,8 +3,10 @@
 ``nb_dist/_shared`` is imported by both sides and imports nothing above it; ``_rank`` runs in
 a rank and never loads the kernel's machinery; ``_kernel`` runs in the launching process and
 takes from ``_rank`` only what a process is started with; ``_live`` builds on ``_kernel``;
-``views`` are teaching widgets. No import circle, deferred imports included (a circle that
-works only because an import sits inside a function breaks when someone hoists it).
+``_cluster`` is the kernel side of a launch on a cluster and ``_node`` runs in each node's
+agent there; ``views`` are teaching widgets. No import circle, deferred imports included (a
+circle that works only because an import sits inside a function breaks when someone hoists
+it).
 Read statically (ast): nothing here imports the package.
 """
 
@@ -33,6 +35,18 @@ ALLOWED: dict[str, tuple[str, ...]] = {
         "nb_dist._shared",
         "nb_dist._kernel",
         "nb_dist._rank._regroup",  # the functions a session calls on its ranks to free them
+    ),
+    "nb_dist._cluster": (
+        "nb_dist._shared",
+        "nb_dist._kernel",
+        "nb_dist._rank._spec",  # what a rank is started with, sent to its node's agent
+        "nb_dist._node",  # the agent class placed on each node, and what its polls return
+        "nb_dist._live._session",  # live ranks on a cluster are the local session's supervisor
+    ),
+    "nb_dist._node": (
+        "nb_dist._shared",
+        "nb_dist._rank._spec",
+        "nb_dist._kernel._processes",  # the node's ranks start as the kernel's local ones do
     ),
     "nb_dist.views": (),
     "nb_dist.teach": (),
@@ -174,6 +188,8 @@ def test_every_module_says_where_it_runs():
         "_rank": "inside a rank's process",
         "_kernel": "runs in the kernel",
         "_live": "kernel side",
+        "_cluster": "runs in the kernel",
+        "_node": "node agent",
     }.items():
         doc = ast.get_docstring(ast.parse((PACKAGE / layer / "__init__.py").read_text()))
         assert doc and words in doc, (layer, doc)

@@ -14,6 +14,7 @@ from typing import Any
 
 from . import _leftovers, _openmp, _ports, _prompts, _warm
 from ._attempt import Attempt
+from ._backend import ClusterBackend
 from ._errors import LaunchInterrupted, LaunchTimeoutError, WorkerFailedError
 from ._monitor import open_monitor
 from ._observer import Observer
@@ -54,6 +55,7 @@ def notebook_launcher(
     warm_imports: bool = True,
     rich_output: str | int | Sequence[int] = "rank0",
     debug: str | None = None,
+    cluster: ClusterBackend | None = None,
 ) -> LaunchResult:
     """Run ``function(*args)`` on ``num_processes`` workers and return every rank's value.
 
@@ -129,6 +131,10 @@ def notebook_launcher(
         monitor: show a live per-rank dashboard (status, time, progress bars from
             :func:`nb_dist.progress`, last output, curves of reported scalars) in the cell.
             Only in a Jupyter kernel; the labelled text output is printed either way.
+        cluster: run the ranks on a cluster's machines instead of this one, e.g.
+            ``nb_dist.RayCluster(address="auto", processes_per_node=4)``: the same output,
+            values, errors, timeouts and interrupts; the function and its globals are
+            shipped with cloudpickle (see the README's "More than one machine").
 
     Returns:
         A :class:`~nb_dist.LaunchResult`: a list of the ranks' return values, with their
@@ -157,7 +163,7 @@ def notebook_launcher(
         timeout=timeout, output=output, init_process_group=init_process_group, device=device,
         threads_per_process=threads_per_process, hang_notice_after=hang_notice_after,
         monitor=monitor, rendezvous_timeout=rendezvous_timeout, warm_imports=warm_imports,
-        rich_output=rich_output, debug=debug,
+        rich_output=rich_output, debug=debug, cluster=cluster,
     )  # fmt: skip
     plan = decide(check_arguments(function, args, options), options)
     live_view = open_monitor(list(plan.ranks)) if plan.monitor else None
@@ -166,6 +172,8 @@ def notebook_launcher(
     except KeyboardInterrupt:
         if live_view is not None:
             live_view.close(interrupted=True)
+        if plan.cluster is not None:
+            plan.cluster.interrupted()
         # A fresh exception without the context: the cell shows the user's call, not the
         # supervisor's select loop the interrupt happened to land in.
         raise _interrupted(plan.nprocs) from None
@@ -218,6 +226,8 @@ def _attempt(
 ) -> tuple[AttemptResult, int]:
     """One attempt: the kernel's store, the workers' environments, the supervisor."""
     __tracebackhide__ = True
+    if plan.cluster is not None:
+        return plan.cluster.attempt(plan, attempt, router, live_view)
     if plan.start_method == "fork" and attempt:
         _openmp.release_pool()  # a restart forks again, and the kernel may have a pool again
     with Attempt(plan, attempt, "nb_dist_errors_") as opened:

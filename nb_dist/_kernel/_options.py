@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._backend import ClusterBackend
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,3 +48,4 @@ class LaunchOptions:
     warm_imports: bool = True
     rich_output: str | int | Sequence[int] = "rank0"
     debug: str | None = None
+    cluster: ClusterBackend | None = None

@@ -28,7 +28,7 @@ import socket
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._rank._spec import WorkerSpec
 from .._shared import _shipping
@@ -39,6 +39,9 @@ from ._errors import UnsafeLaunchError
 from ._options import LaunchOptions
 from ._output import DEFAULT_PREFIX, OUTPUT_MODES, RICH_OUTPUT_MODES
 from ._tracebacks import cell_label
+
+if TYPE_CHECKING:
+    from ._backend import ClusterBackend
 
 # How long the first rank to reach init_process_group waits for the others before the launch
 # is stopped with a report (torch itself would wait for minutes).
@@ -80,6 +83,8 @@ class LaunchPlan:
     payload: bytes | None = None  # spawn/forkserver: the function and args, by value
     linecache_entries: dict[str, Any] = field(default_factory=dict)
     notices: tuple[str, ...] = ()
+    #: Ranks on a cluster's machines (``nb_dist.RayCluster``); ``None``: on this one.
+    cluster: ClusterBackend | None = None
 
     @property
     def nprocs(self) -> int:
@@ -173,7 +178,12 @@ class LaunchPlan:
 
 
 def decide(plan: LaunchPlan, options: LaunchOptions) -> LaunchPlan:
-    """Steps 3 to 7 on the checked arguments (:func:`check_arguments`): the final plan."""
+    """Steps 3 to 7 on the checked arguments (:func:`check_arguments`): the final plan.
+
+    A launch on a cluster is decided by the cluster (``_backend.py``): its nodes, not this
+    machine's devices and threads."""
+    if plan.cluster is not None:
+        return plan.cluster.decide(plan, options)
     num_processes, threads_per_process = options.num_processes, options.threads_per_process
     _check_multi_node(plan.num_nodes, plan.port, plan.max_restarts)  # 3. Combinations.
     _preflight.check_process_group()  # 4. The kernel's state.
@@ -251,6 +261,7 @@ def check_arguments(
         prefix=o.log_line_prefix_template or DEFAULT_PREFIX, timeout=limit,
         rendezvous_timeout=rdzv_limit, hang_notice_after=hang_after, poll_interval=poll or 0.1,
         warm_imports=o.warm_imports, monitor=o.monitor, notices=tuple(notices), debug=debug,
+        cluster=o.cluster,
     )  # fmt: skip
 
 

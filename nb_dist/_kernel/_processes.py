@@ -50,6 +50,13 @@ class WorkerProcess(Protocol):
     def send_signal(self, sig: int) -> None:
         """Signal its whole process group (and the worker itself, if the group is gone)."""
 
+    def signal_leader(self, sig: int) -> None:
+        """Signal the worker process alone (a stack request: SIGUSR1 would kill its children).
+
+        ``ProcessLookupError`` if it is gone. A rank on another machine is signalled there
+        (``nb_dist._cluster``), never by its pid here.
+        """
+
     def kill_and_reap(self) -> int:
         """SIGKILL the group and wait for the worker; its exit code."""
 
@@ -103,6 +110,9 @@ class _Forked:
     def send_signal(self, sig: int) -> None:
         signal_group(self.pid, sig)
 
+    def signal_leader(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
     def kill_and_reap(self) -> int:
         signal_group(self.pid, signal.SIGKILL)
         code = self._reap(within=REAP_WITHIN)
@@ -142,6 +152,9 @@ class _FromForkserver:
 
     def send_signal(self, sig: int) -> None:
         signal_group(self.pid, sig)
+
+    def signal_leader(self, sig: int) -> None:
+        os.kill(self.pid, sig)
 
     def kill_and_reap(self) -> int:
         signal_group(self.pid, signal.SIGKILL)

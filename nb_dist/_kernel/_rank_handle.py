@@ -141,7 +141,7 @@ class Rank:
             return False
         self.stack.clear()
         try:
-            os.kill(self.process.pid, signal.SIGUSR1)
+            self.process.signal_leader(signal.SIGUSR1)
         except ProcessLookupError:
             return False
         return True

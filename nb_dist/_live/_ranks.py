@@ -23,6 +23,7 @@ from typing import Any
 
 from .._kernel import _leftovers, _ports, _prompts, _warm
 from .._kernel._attempt import Attempt
+from .._kernel._backend import ClusterBackend
 from .._kernel._errors import LaunchError
 from .._kernel._monitor import open_monitor
 from .._kernel._options import LaunchOptions
@@ -80,6 +81,9 @@ class Ranks:
         monitor: show the live per-rank dashboard in each cell.
         debug: ``"postmortem"``: a rank that fails opens pdb at its exception, in the
             failing cell, driven from the notebook.
+        cluster: the ranks on a cluster's nodes (``nb_dist.RayCluster(...)``), each cell's
+            output, values and errors as on this machine. A rank blocked in a collective
+            is not freed there: the session is restarted with fresh ranks (state lost).
     """
 
     def __init__(
@@ -100,6 +104,7 @@ class Ranks:
         rendezvous_timeout: float | str | None = "auto",
         log_line_prefix_template: str | None = None,
         debug: str | None = None,
+        cluster: ClusterBackend | None = None,
     ) -> None:
         __tracebackhide__ = True
         _warm.wait()  # the checks read the kernel's state (as notebook_launcher's do)
@@ -113,7 +118,7 @@ class Ranks:
             hang_notice_after=hang_notice_after,
             device=device, threads_per_process=threads_per_process, monitor=monitor,
             rendezvous_timeout=rendezvous_timeout, warm_imports=False, rich_output=rich_output,
-            debug=debug,
+            debug=debug, cluster=cluster,
         )  # fmt: skip
         checked = check_arguments(_idle, (), self._options)
         self._checked = dataclasses.replace(checked, session=True)
@@ -136,13 +141,18 @@ class Ranks:
         plan = decide(self._checked, self._options)
         self.plan: LaunchPlan = plan
         try:
-            self._attempt = Attempt(plan, self.restarts, "nb_dist_ranks_")
             router = self._router()
             for text in plan.notices:
                 router.notice(text)
-            supervisor = SessionSupervisor(plan, self._attempt.envs, router, None)
-            supervisor.start()
-            _ports.started_worker_pids.update(self.pids_of(supervisor))
+            if plan.cluster is not None:  # the ranks on the cluster's nodes, its store there
+                started = plan.cluster.start_session(plan, self.restarts, router)
+                assert isinstance(started, SessionSupervisor)
+                supervisor = started
+            else:
+                self._attempt = Attempt(plan, self.restarts, "nb_dist_ranks_")
+                supervisor = SessionSupervisor(plan, self._attempt.envs, router, None)
+                supervisor.start()
+                _ports.started_worker_pids.update(self.pids_of(supervisor))
             self._supervisor = supervisor
             self._history.started(plan)
         except BaseException:

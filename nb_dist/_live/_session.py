@@ -267,6 +267,10 @@ class SessionSupervisor(Supervisor):
         Whether that worked (every rank idle, with a fresh group, its namespace kept)."""
         if self.config.debug is not None or not stuck or self.lost is not None:
             return False  # a post-mortem would open on the freed rank's connection error
+        if self.config.cluster is not None:
+            # Dropping connections finds the peers' sockets by their processes, on this
+            # machine; a cluster's ranks are on other machines. Stopped, as with NCCL.
+            return False
         if self.config.backend != "gloo":
             # NCCL's collectives wait on the GPU, not on a socket the idle ranks could shut;
             # torch's abort would have to run inside the blocked rank. Stopped, as before.

@@ -1,0 +1,203 @@
+"""The launch's agents: one node agent per placement-group bundle, and where each rank runs.
+
+Runs in the kernel. A :class:`Gang` reserves the placement group (``_placement.py``), starts
+one ``NodeAgent`` actor in each bundle (holding the whole bundle, so its ranks have the
+resources), asks each where it is, and is kept across launches (warm relaunches: the agents
+and their fork servers stay) until the cluster is closed, the kernel is interrupted, or a
+node is lost. :func:`layout` gives each rank its node and local rank by Ray node id (not
+by address: nodes may share one). :meth:`Gang.start` starts one run's ranks on the agents and
+returns their forwarder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from .._rank._spec import WorkerSpec
+from . import _placement
+from ._connect import ClusterError
+from ._forward import CALL_LIMIT, AgentLink, Forwarder, OnLost, RemoteProcess
+
+#: How long agents may take to start (a fresh Ray worker imports torch and nb_dist).
+AGENTS_LIMIT = 180.0
+#: How long an agent may take to start its ranks (the first forkserver imports torch).
+START_LIMIT = 180.0
+_runs = itertools.count(1)
+
+
+@dataclass(frozen=True)
+class Node:
+    """Where an agent runs: what ``NodeAgent.where`` says."""
+
+    node_id: str
+    address: str
+    hostname: str
+    interface: str | None
+    cores: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """For each rank (global rank = index): its agent, its place on that agent, its node."""
+
+    agent: tuple[int, ...]
+    position: tuple[int, ...]
+    node_rank: tuple[int, ...]
+    local_rank: tuple[int, ...]
+    local_world_size: tuple[int, ...]
+    num_nodes: int
+
+
+def layout(node_ids: Sequence[str], counts: Sequence[int]) -> Layout:
+    """Ranks in agent order (``counts[i]`` on agent ``i`` at ``node_ids[i]``); node ranks by
+    node id in order of first appearance, local ranks numbered across a node's agents."""
+    nodes: dict[str, int] = {}
+    agent, position, node_rank, local_rank = [], [], [], []
+    per_node: dict[int, int] = {}
+    for index, (node_id, count) in enumerate(zip(node_ids, counts, strict=True)):
+        number = nodes.setdefault(node_id, len(nodes))
+        for place in range(count):
+            agent.append(index)
+            position.append(place)
+            node_rank.append(number)
+            local_rank.append(per_node.get(number, 0))
+            per_node[number] = per_node.get(number, 0) + 1
+    sizes = tuple(per_node[n] for n in node_rank)
+    return Layout(tuple(agent), tuple(position), tuple(node_rank), tuple(local_rank), sizes,
+                  len(nodes))  # fmt: skip
+
+
+class Gang:
+    """A placement group and its agents, one per bundle."""
+
+    def __init__(
+        self, ray: Any, nprocs: int, per_node: int, per_rank: dict[str, float], strategy: str,
+        timeout: float, method: str = "forkserver",
+    ) -> None:  # fmt: skip
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from .._node._agent import NodeAgent
+
+        self.ray = ray
+        self.threads_per_rank = max(1, int(per_rank.get("CPU", 1)))
+        #: Live ranks running on the agents (a session holds them until it closes).
+        self.session: object | None = None
+        self.key = (nprocs, per_node, tuple(sorted(per_rank.items())), strategy)
+        asked = _placement.bundles(nprocs, per_node, per_rank)
+        self.counts = [min(per_node, nprocs - i * per_node) for i in range(len(asked))]
+        self.group: Any = _placement.reserve(ray, asked, strategy, timeout)
+        self.agents: list[Any] = []
+        try:
+            remote = ray.remote(NodeAgent)
+            for index, bundle in enumerate(asked):
+                custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
+                self.agents.append(
+                    remote.options(
+                        num_cpus=bundle.get("CPU", 0),
+                        num_gpus=bundle.get("GPU", 0),
+                        resources=custom or None,
+                        max_concurrency=16,
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, index),
+                    ).remote(method)
+                )
+            found = ray.get([a.where.remote() for a in self.agents], timeout=AGENTS_LIMIT)
+        except BaseException as exc:
+            self.close()
+            if isinstance(exc, ray.exceptions.GetTimeoutError):
+                raise ClusterError(
+                    f"The node agents did not start within {AGENTS_LIMIT:g} s. Check that "
+                    "nb_dist and torch are installed on every node (the same versions as "
+                    "here), then launch again."
+                ) from None
+            raise
+        self.nodes = [Node(*where) for where in found]
+        self.layout = layout([n.node_id for n in self.nodes], self.counts)
+
+    def describe(self) -> str:
+        """``"2 nodes (node 0: 10.0.0.1 (ab12cd34), ...)"``."""
+        seen: dict[str, Node] = {}
+        for node in self.nodes:
+            seen.setdefault(node.node_id, node)
+        listed = ", ".join(
+            f"node {i}: {n.address} ({n.node_id[:8]})" for i, n in enumerate(seen.values())
+        )
+        return f"{len(seen)} node(s) ({listed})"
+
+    def open_store(self, world_size: int) -> tuple[str, int]:
+        """The rendezvous store on rank 0's node: (its address, its port)."""
+        node = self.nodes[self.layout.agent[0]]
+        port = self.ray.get(
+            self.agents[self.layout.agent[0]].open_store.remote(node.address, world_size),
+            timeout=CALL_LIMIT,
+        )
+        return node.address, int(port)
+
+    def start(
+        self,
+        method: str,
+        specs: Sequence[WorkerSpec],
+        theirs: Sequence[dict[str, Connection]],
+        mirrors: Sequence[str | None],
+        on_lost: Callable[[int], OnLost],
+    ) -> tuple[Forwarder, list[RemoteProcess]]:
+        """Start one run's ranks (``specs[r]`` for rank ``r``, ``theirs[r]`` its local pipe
+        ends); the forwarder (started) and each rank's process."""
+        run, lay = next(_runs), self.layout
+        links = [
+            AgentLink(self.ray, actor, run, self.nodes[i].address)
+            for i, actor in enumerate(self.agents)
+        ]
+        for rank in range(len(specs)):
+            links[lay.agent[rank]].add_rank(lay.position[rank], theirs[rank], mirrors[rank])
+        forwarder = Forwarder(self.ray, links)
+        try:
+            refs = [
+                actor.start.remote(
+                    run, method, [specs[r] for r in range(len(specs)) if lay.agent[r] == i]
+                )
+                for i, actor in enumerate(self.agents)
+            ]
+            pids = self.ray.get(refs, timeout=START_LIMIT)
+        except BaseException:
+            self.end_run(links)
+            forwarder.stop()
+            raise
+        forwarder.start()
+        processes = [
+            RemoteProcess(
+                links[lay.agent[r]], lay.position[r], pids[lay.agent[r]][lay.position[r]],
+                on_lost(r),
+            )
+            for r in range(len(specs))
+        ]  # fmt: skip
+        return forwarder, processes
+
+    def end_run(self, links: Sequence[AgentLink]) -> None:
+        """Tell every live agent the run is over (what is left of it is killed there)."""
+        refs = [link.actor.end_run.remote(link.run) for link in links if link.lost is None]
+        with contextlib.suppress(Exception):  # an agent lost now is found by the next launch
+            self.ray.get(refs, timeout=CALL_LIMIT)
+
+    def healthy(self) -> bool:
+        """Every agent still answers (else the gang is replaced before a launch)."""
+        try:
+            self.ray.get([a.where.remote() for a in self.agents], timeout=CALL_LIMIT)
+        except Exception:
+            return False
+        return True
+
+    def close(self) -> None:
+        """Kill the agents (their ranks die with them) and remove the placement group."""
+        for actor in self.agents:
+            with contextlib.suppress(Exception):  # already gone
+                self.ray.kill(actor, no_restart=True)
+        self.agents = []
+        if self.group is not None:
+            with contextlib.suppress(Exception):  # already removed (the cluster is gone)
+                _placement.release(self.group)
+            self.group = None

@@ -1,0 +1,287 @@
+"""A launch on a cluster: the plan decided for the cluster's nodes, and one attempt's run.
+
+Runs in the kernel. :func:`decide` replaces the local decisions (devices, threads, fork) with
+the cluster's: the ranks start with forkserver (or spawn) on their nodes, the function and
+its arguments are shipped by value (and the pre-flight names what was shipped, or which
+argument or global did not pickle), and the placement group is reserved before anything
+starts. :func:`attempt` opens the rendezvous store on rank 0's node, gives each rank the
+environment torchrun would give it there (``LOCAL_RANK``, ``NODE_RANK``, ``LOCAL_WORLD_SIZE``
+by Ray node id; ``MASTER_ADDR`` the node's cluster address), and runs the kernel's own
+``Supervisor`` over the forwarded pipes (:class:`ClusterSupervisor`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import types
+from collections.abc import Callable
+from typing import Any
+
+from .._kernel import _plan
+from .._kernel._attempt import rank_env, scratch_folder
+from .._kernel._observer import Observer
+from .._kernel._options import LaunchOptions
+from .._kernel._output import OutputRouter
+from .._kernel._plan import LaunchPlan
+from .._kernel._supervisor import AttemptResult, Supervisor
+from .._node._agent import widen
+from .._shared import _protocol, _shipping
+from .._shared._protocol import COLLECTIVES_ENV
+from ._forward import Forwarder, OnLost
+from ._gang import Gang
+
+#: ``rendezvous_timeout="auto"`` on a cluster: nodes start their first fork server (and
+#: import torch) at different speeds.
+CLUSTER_RENDEZVOUS = 120.0
+
+
+def decide(
+    gang_for: Callable[[int, str], Gang],
+    plan: LaunchPlan,
+    options: LaunchOptions,
+    use_gpu: bool,
+) -> LaunchPlan:
+    """The plan of a launch on the cluster; ``gang_for(nprocs, start_method)`` reserves its
+    nodes."""
+    _refuse_local_only(options)
+    if options.num_processes is None:
+        raise ValueError(
+            "num_processes=None means one process per local GPU; on a cluster say how many "
+            "ranks to start in all, e.g. num_processes=8 (processes_per_node of them per node)."
+        )
+    if plan.debug is not None:
+        raise ValueError(
+            f"debug={plan.debug!r} is not available with cluster= yet: a failed rank cannot be "
+            "held on its node for %debug. Reproduce the failure on this machine (the same "
+            "call without cluster=, fewer processes), or print and report() from the ranks."
+        )
+    nprocs = options.num_processes
+    method = "forkserver" if plan.start_method == "fork" else plan.start_method
+    payload, shipped = ship(plan.function, plan.args)
+    gang = gang_for(nprocs, method)
+    threads = options.threads_per_process
+    if threads is None and os.environ.get("OMP_NUM_THREADS", "").strip().isdigit():
+        threads = int(os.environ["OMP_NUM_THREADS"])
+    rdzv = plan.rendezvous_timeout
+    if options.rendezvous_timeout == "auto" and options.rdzv_conf is None:
+        rdzv = CLUSTER_RENDEZVOUS
+    notice = f"shipped {shipped} to {nprocs} ranks on {gang.describe()}."
+    return dataclasses.replace(
+        plan,
+        ranks=tuple(range(nprocs)),
+        world_size=nprocs,
+        num_nodes=gang.layout.num_nodes,
+        start_method=method,
+        use_gpu=use_gpu,
+        threads=threads or gang.threads_per_rank,
+        warm_imports=False,
+        payload=payload,
+        linecache_entries=_plan._cell_sources(),
+        rendezvous_timeout=rdzv,
+        notices=(*plan.notices, notice),
+    )
+
+
+def _refuse_local_only(options: LaunchOptions) -> None:
+    defaults = LaunchOptions()
+    given = [
+        name
+        for name in ("use_port", "master_addr", "node_rank", "num_nodes", "rdzv_endpoint")
+        if getattr(options, name) != getattr(defaults, name)
+    ]
+    if given:
+        raise ValueError(
+            f"{', '.join(given)} place a launch by hand on several machines; with cluster= the "
+            "cluster places the ranks, hosts the rendezvous on rank 0's node and picks its "
+            f"port. Remove {', '.join(given)} (processes_per_node and placement are "
+            "RayCluster's options)."
+        )
+
+
+def ship(function: Callable[..., Any], args: tuple[Any, ...]) -> tuple[bytes, str]:
+    """The function and args by value (cloudpickle) and what was shipped, in words; a
+    ``TypeError`` naming each argument or global that does not pickle."""
+    globals_used = _globals_of(function)
+    try:
+        payload = _shipping.dumps((function, args))
+    except Exception as exc:
+        bad = [f"argument {i} ({_what(a, e)})" for i, a in enumerate(args) if (e := _fails(a))]
+        bad += [
+            f"global {n!r} ({_what(v, e)})" for n, v in globals_used.items() if (e := _fails(v))
+        ]
+        found = "; ".join(bad) or f"{type(exc).__name__}: {exc}"
+        raise TypeError(
+            f"A cluster launch ships {_name(function)} and its arguments to other machines "
+            f"with cloudpickle, and this did not pickle: {found}. Create such objects inside "
+            "the function (open files, locks, clients, generators), or pass what builds them."
+        ) from None
+    names = ", ".join(sorted(globals_used)) or "no globals"
+    size = len(payload)
+    shown = f"{size / 1024:.1f} kB" if size >= 1024 else f"{size} B"
+    return payload, f"{_name(function)} with {names} and {len(args)} argument(s) ({shown})"
+
+
+def _name(function: Callable[..., Any]) -> str:
+    return f"{getattr(function, '__qualname__', type(function).__name__)}()"
+
+
+def _globals_of(function: Callable[..., Any]) -> dict[str, Any]:
+    """The globals ``function`` (and the functions nested in it) refers to by name."""
+    code = getattr(function, "__code__", None)
+    namespace = getattr(function, "__globals__", {})
+    if code is None:
+        return {}
+    names: set[str] = set()
+    stack = [code]
+    while stack:
+        current = stack.pop()
+        names.update(current.co_names)
+        stack.extend(c for c in current.co_consts if isinstance(c, types.CodeType))
+    return {
+        n: namespace[n]
+        for n in sorted(names)
+        if n in namespace and not isinstance(namespace[n], types.ModuleType)
+    }
+
+
+def _fails(value: Any) -> BaseException | None:
+    try:
+        _shipping.dumps(value)
+    except Exception as exc:
+        return exc
+    return None
+
+
+def _what(value: Any, exc: BaseException) -> str:
+    return f"a {_protocol.type_name(value)}: {type(exc).__name__}: {exc}"
+
+
+def attempt(
+    gang: Gang,
+    plan: LaunchPlan,
+    number: int,
+    router: OutputRouter,
+    observer: Observer | None,
+    on_lost: Callable[[], None],
+) -> tuple[AttemptResult, int]:
+    """Run attempt ``number`` on the gang: (result, store port). ``on_lost()`` runs after a
+    run that lost a node (or an agent), however it ended."""
+    folder = scratch_folder("nb_dist_cluster_")
+    supervisor: ClusterSupervisor | None = None
+    try:
+        address, port = gang.open_store(plan.world_size)
+        envs = [cluster_env(plan, gang, r, address, port, number, folder) for r in plan.ranks]
+        supervisor = ClusterSupervisor(plan, envs, router, observer, gang)
+        try:
+            return supervisor.run(), port
+        finally:
+            router.finish()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+        if supervisor is not None and supervisor.node_lost:
+            on_lost()
+
+
+def cluster_env(
+    plan: LaunchPlan, gang: Gang, rank: int, address: str, port: int, attempt: int, folder: str
+) -> dict[str, str]:
+    """Rank ``rank``'s environment: torchrun's, with its node's ranks, and its collective
+    counter's mirror in ``folder`` (the agent gives the rank a counter on its node)."""
+    env = rank_env(plan, rank, port, attempt, folder)
+    lay = gang.layout
+    node = gang.nodes[lay.agent[rank]]
+    env.update(
+        LOCAL_RANK=str(lay.local_rank[rank]),
+        LOCAL_WORLD_SIZE=str(lay.local_world_size[rank]),
+        NPROC=str(lay.local_world_size[rank]),
+        NODE_RANK=str(lay.node_rank[rank]),
+        GROUP_RANK=str(lay.node_rank[rank]),
+        GROUP_WORLD_SIZE=str(lay.num_nodes),
+        MASTER_ADDR=address,
+        NB_DIST_NODE_ID=node.node_id,  # the rank's Ray node, for code that asks
+    )
+    env.pop("GLOO_SOCKET_IFNAME", None)
+    chosen = os.environ.get("GLOO_SOCKET_IFNAME")
+    if chosen or node.interface:
+        env["GLOO_SOCKET_IFNAME"] = chosen or node.interface or ""
+    return env
+
+
+class ClusterSupervisor(Supervisor):
+    """The kernel's supervisor, its ranks started by the gang's agents (``_start_all``) and
+    their forwarder stopped with the run (``_close``); everything else is the local one."""
+
+    def __init__(
+        self,
+        plan: LaunchPlan,
+        worker_env: list[dict[str, str]],
+        router: OutputRouter,
+        observer: Observer | None,
+        gang: Gang,
+    ) -> None:
+        super().__init__(plan, worker_env, router, observer)
+        self._gang = gang
+        self._forwarder: Forwarder | None = None
+
+    @property
+    def node_lost(self) -> bool:
+        """Whether an agent (a node) was lost during the run."""
+        links = self._forwarder.links if self._forwarder is not None else []
+        return any(link.lost is not None for link in links)
+
+    def _start_all(self) -> None:
+        plan, lay = self.config, self._gang.layout
+        specs = [
+            dataclasses.replace(
+                plan.worker_spec(r, self.worker_env[r], []), local_rank=lay.local_rank[r]
+            )
+            for r in range(plan.nprocs)
+        ]
+        theirs = [worker.open_pipes() for worker in self.workers]
+        for ends in theirs:
+            widen(ends["control"])  # a large value crosses the kernel's pipe in 1 MB writes
+        mirrors = [env.get(COLLECTIVES_ENV) for env in self.worker_env]
+        try:
+            self._forwarder, processes = self._gang.start(
+                plan.start_method, specs, theirs, mirrors, self._on_lost
+            )
+            for worker, process in zip(self.workers, processes, strict=True):
+                worker.process = process
+                worker.outcome.pid = process.pid
+        except BaseException:
+            for ends in theirs:
+                for conn in ends.values():
+                    conn.close()
+            raise
+        finally:
+            for worker in self.workers:
+                self._pump.add(worker)
+
+    def _on_lost(self, rank: int) -> OnLost:
+        worker = self.workers[rank]
+        node = self._gang.nodes[self._gang.layout.agent[rank]]
+
+        def lost(reason: str, at: float) -> None:
+            # Even for a rank being stopped: another rank's failure may be the loss's first
+            # sign (its peer's connection closed) and the stop its consequence. nb_dist never
+            # loses an agent during a run itself (■ gives the agents back after the run).
+            if worker.failure is None:
+                worker.failure = _protocol.Failed(
+                    "NodeLostError",
+                    f"rank {rank} ran on Ray node {node.node_id[:8]} ({node.address}), which "
+                    f"was lost during the launch ({reason}); its ranks ended with it. Check "
+                    "the cluster (`ray status`), then launch again: the next launch places "
+                    "its ranks on live nodes.",
+                    "",
+                    at,
+                )
+
+        return lost
+
+    def _close(self) -> None:
+        super()._close()
+        if self._forwarder is not None:
+            self._forwarder.stop()
+            self._gang.end_run(self._forwarder.links)

@@ -1,0 +1,176 @@
+"""``nb_dist.RayCluster``: where a launch's ranks run when one machine is not enough.
+
+Runs in the kernel. ``notebook_launcher(fn, num_processes=8, cluster=RayCluster(...))``
+gives the launch to the cluster (``_kernel/_backend.py``): it reserves one placement-group
+bundle per node (``processes_per_node`` ranks' ``resources_per_rank`` each), puts a node
+agent in each and keeps them for later launches (the next launch reuses the agents and
+their fork servers), and runs each attempt over them (``_launch.py``). :meth:`close` (or
+the end of a ``with`` block, or an interrupted launch, or a lost node) gives the agents and
+the placement group back; when the kernel dies, Ray removes both with its driver.
+"""
+
+from __future__ import annotations
+
+import atexit
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+from .._kernel._observer import Observer
+from .._kernel._options import LaunchOptions
+from .._kernel._output import OutputRouter
+from .._kernel._plan import LaunchPlan
+from .._kernel._supervisor import AttemptResult, Supervisor
+from . import _connect, _launch, _placement, _session
+from ._gang import Gang
+
+_open: weakref.WeakSet[RayCluster] = weakref.WeakSet()
+
+
+class RayCluster:
+    """A Ray cluster to launch on: ``notebook_launcher(..., cluster=RayCluster(...))``.
+
+    Args:
+        address: the cluster's address as ``ray.init`` takes it: ``"auto"`` (the cluster
+            this machine belongs to), ``"ray://HOST:10001"``, or ``"HOST:6379"``. A kernel
+            already connected to Ray (``ray.init`` in an earlier cell) keeps its connection.
+        processes_per_node: ranks per node (one placement-group bundle each).
+        placement: Ray's placement strategy for the bundles: ``"PACK"`` (default),
+            ``"SPREAD"``, ``"STRICT_PACK"`` or ``"STRICT_SPREAD"`` (one node per bundle).
+        resources_per_rank: what each rank reserves, e.g. ``{"CPU": 4, "GPU": 1}``
+            (default ``{"CPU": 1}``). With a GPU per rank the ranks use NCCL on their GPUs.
+        placement_timeout: seconds Ray may take to place the bundles before the launch is
+            refused, naming what was asked and what is free (Ray itself would wait forever).
+    """
+
+    def __init__(
+        self,
+        address: str = "auto",
+        *,
+        processes_per_node: int = 1,
+        placement: str = "PACK",
+        resources_per_rank: Mapping[str, float] | None = None,
+        placement_timeout: float = 10.0,
+    ) -> None:
+        if not isinstance(address, str) or not address:
+            raise TypeError(f"address={address!r} must be a string such as 'auto'.")
+        if (
+            isinstance(processes_per_node, bool)
+            or not isinstance(processes_per_node, int)
+            or processes_per_node < 1
+        ):
+            raise ValueError(
+                f"processes_per_node={processes_per_node!r} must be a whole number, 1 or more "
+                "(for example the node's GPU count)."
+            )
+        if placement not in _placement.STRATEGIES:
+            raise ValueError(
+                f"placement={placement!r} is not one of Ray's strategies: "
+                f"{', '.join(_placement.STRATEGIES)}."
+            )
+        per_rank = dict(resources_per_rank) if resources_per_rank is not None else {"CPU": 1.0}
+        for key, value in per_rank.items():
+            if (
+                not isinstance(key, str)
+                or isinstance(value, bool)
+                or not (isinstance(value, (int, float)) and value >= 0)
+            ):
+                raise ValueError(
+                    f"resources_per_rank={resources_per_rank!r}: each entry must be a resource "
+                    "name and a number, 0 or more, e.g. {'CPU': 2, 'GPU': 1}."
+                )
+        if (
+            isinstance(placement_timeout, bool)
+            or not isinstance(placement_timeout, (int, float))
+            or placement_timeout <= 0
+        ):
+            raise ValueError(
+                f"placement_timeout={placement_timeout!r} must be a number of seconds above 0."
+            )
+        self.address = address
+        self.processes_per_node = processes_per_node
+        self.placement = placement
+        self.resources_per_rank = {k: float(v) for k, v in per_rank.items()}
+        self.placement_timeout = float(placement_timeout)
+        self._ray: Any = _connect.ray_module()
+        _connect.connect(self._ray, address)
+        self._gang: Gang | None = None
+        _open.add(self)
+
+    def __repr__(self) -> str:
+        return (
+            f"RayCluster(address={self.address!r}, processes_per_node="
+            f"{self.processes_per_node}, placement={self.placement!r}, "
+            f"resources_per_rank={self.resources_per_rank!r})"
+        )
+
+    # ------------------------------------------------------------------ the backend
+    def decide(self, plan: LaunchPlan, options: LaunchOptions) -> LaunchPlan:
+        """The launch's plan on this cluster (``_kernel/_backend.py``); reserves the nodes."""
+        gpus = self.resources_per_rank.get("GPU", 0.0) > 0
+        if plan.device == "cuda" and not gpus:
+            raise ValueError(
+                "device='cuda' on a cluster needs a GPU per rank: pass "
+                "RayCluster(resources_per_rank={'GPU': 1, ...})."
+            )
+        use_gpu = gpus and plan.device != "cpu"
+        return _launch.decide(self._gang_for, plan, options, use_gpu)
+
+    def attempt(
+        self, plan: LaunchPlan, number: int, router: OutputRouter, observer: Observer | None
+    ) -> tuple[AttemptResult, int]:
+        """One attempt on the agents; a gang that lost a node is given back after it."""
+        gang = self._gang_for(plan.nprocs, plan.start_method)
+        return _launch.attempt(gang, plan, number, router, observer, self._release)
+
+    def start_session(self, plan: LaunchPlan, number: int, router: OutputRouter) -> Supervisor:
+        """Live ranks on the agents (``nb_dist.Ranks(cluster=...)``)."""
+        return _session.start_session(
+            self._gang_for(plan.nprocs, plan.start_method), plan, number, router
+        )
+
+    def interrupted(self) -> None:
+        """■ gives everything back: the agents and the placement group."""
+        self._release()
+
+    # ------------------------------------------------------------------ the agents
+    def _gang_for(self, nprocs: int, method: str) -> Gang:
+        gang = self._gang
+        if gang is not None and gang.session is not None:
+            raise _connect.ClusterError(
+                "This RayCluster's agents are running live ranks (nb_dist.Ranks(cluster=...)), "
+                "and one set of agents runs one set of ranks at a time. Close the session "
+                "(ranks.close()) first, or give this launch a RayCluster of its own."
+            )
+        key = (nprocs, self.processes_per_node, tuple(sorted(self.resources_per_rank.items())),
+               self.placement)  # fmt: skip
+        if gang is not None and (gang.key != key or not gang.healthy()):
+            self._release()
+            gang = None
+        if gang is None:
+            gang = self._gang = Gang(
+                self._ray, nprocs, self.processes_per_node, self.resources_per_rank,
+                self.placement, self.placement_timeout, method,
+            )  # fmt: skip
+        return gang
+
+    def _release(self) -> None:
+        gang, self._gang = self._gang, None
+        if gang is not None:
+            gang.close()
+
+    def close(self) -> None:
+        """Give the agents and the placement group back (the next launch makes new ones)."""
+        self._release()
+
+    def __enter__(self) -> RayCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@atexit.register
+def _close_all() -> None:
+    for cluster in list(_open):
+        cluster.close()

@@ -1,0 +1,46 @@
+"""The seam a cluster plugs into: a launch whose ranks run on other machines.
+
+Runs in the kernel. ``notebook_launcher(..., cluster=c)`` hands the plan to ``c`` at two
+points and changes nothing else: :meth:`ClusterBackend.decide` finishes the plan (instead of
+the local devices, threads and fork checks: the cluster's placement, its nodes, the function
+shipped by value) and :meth:`ClusterBackend.attempt` runs one attempt (instead of the local
+store and processes: the cluster's agents start the ranks, and their pipes are forwarded into
+local ones, so the supervisor, the output, the diagnosis and the results are the local
+ones). After an interrupt the launcher calls :meth:`ClusterBackend.interrupted` so the
+cluster gives its resources back; live ranks start through :meth:`ClusterBackend.start_session`.
+``nb_dist._cluster.RayCluster`` is the one implementation;
+this module names only the protocol, so the kernel never imports a cluster engine.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from ._observer import Observer
+    from ._options import LaunchOptions
+    from ._output import OutputRouter
+    from ._plan import LaunchPlan
+    from ._supervisor import AttemptResult, Supervisor
+
+
+class ClusterBackend(Protocol):
+    """Where a launch's ranks run when they do not run on this machine."""
+
+    def decide(self, plan: LaunchPlan, options: LaunchOptions) -> LaunchPlan:
+        """The final plan for the checked arguments; raises what refuses the launch."""
+        ...
+
+    def attempt(
+        self, plan: LaunchPlan, number: int, router: OutputRouter, observer: Observer | None
+    ) -> tuple[AttemptResult, int]:
+        """Run attempt ``number``: its result and the rendezvous port."""
+        ...
+
+    def start_session(self, plan: LaunchPlan, number: int, router: OutputRouter) -> Supervisor:
+        """Live ranks (``nb_dist.Ranks``) on the cluster: a started session supervisor."""
+        ...
+
+    def interrupted(self) -> None:
+        """The launch was interrupted: give back what the cluster holds for it."""
+        ...

@@ -1,0 +1,385 @@
+"""The node agent: a Ray actor that starts, reads, signals and reaps one node's ranks.
+
+The kernel (``nb_dist._cluster``) places one agent in each bundle of its placement group and
+calls it for every launch: :meth:`NodeAgent.start` starts the node's ranks exactly as the
+kernel starts local ones (``_kernel/_processes.start``: forkserver or spawn, five pipes, the
+start gate, a lifeline whose only write end the agent holds, so the ranks die with it), and a
+reader thread moves what they write into an :class:`~_outbox.Outbox` that the kernel's long
+:meth:`NodeAgent.poll` empties. The agent is a plain (non-detached) actor: it dies with the
+kernel's Ray driver, and the ranks die with the agent.
+
+The collective counters (``_shared/_collectives.py``) are files on the node; the agent reads
+them and sends their raw bytes with each poll, so the kernel's mirror copies read as local.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import multiprocessing
+import os
+import selectors
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+import types
+from collections.abc import Iterator
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import Any
+
+from .._kernel import _processes
+from .._rank._spec import WorkerChannels, WorkerSpec
+from .._shared import _collectives
+from .._shared._protocol import COLLECTIVES_ENV
+from ._outbox import KINDS, Batch, Outbox
+
+_log = logging.getLogger(__name__)
+#: How long a rank's pipes are read after it exited before its exit is reported anyway (a
+#: grandchild may hold them open).
+DRAIN_AFTER_EXIT = 1.0
+_STORE_TIMEOUT = timedelta(seconds=300)
+
+
+@dataclasses.dataclass
+class _Local:
+    """One rank on this node: its process, the agent's ends of its pipes, its counter."""
+
+    spec: WorkerSpec
+    process: _processes.WorkerProcess
+    readers: dict[str, Connection]
+    commands: Connection
+    counter: str
+    open_kinds: set[str]
+    exited_at: float | None = None
+    reported: bool = False
+    counts: bytes = b""
+    #: multiprocessing's forkserver ``Popen`` reads its exit status from one pipe: the reader
+    #: thread's polls and a kill's reap must not read it at once.
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+
+class NodeAgent:
+    """One node's ranks for the kernel; every method is called through Ray."""
+
+    def __init__(self, method: str = "forkserver") -> None:
+        import torch  # noqa: F401 - the forkserver preloads it (see _processes)
+
+        if method == "forkserver":  # its imports overlap the launch's other preparations
+            threading.Thread(target=_start_forkserver, name="nb_dist-forkserver",
+                             daemon=True).start()  # fmt: skip
+
+        self._run = -1
+        self._ranks: list[_Local] = []
+        self._outbox = Outbox(-1)
+        self._lifeline: Connection | None = None
+        self._store: Any = None
+        self._folder: str | None = None
+        self._reader: threading.Thread | None = None
+        self._stop_reading = threading.Event()
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ where
+    def where(self) -> tuple[str, str, str, str | None, int]:
+        """(Ray node id, the node's cluster address, host name, the network interface of
+        that address, cores): who this node is for ``LOCAL_RANK``/``NODE_RANK`` and gloo."""
+        import ray
+
+        context = ray.get_runtime_context()
+        address = ray.util.get_node_ip_address()
+        return (
+            context.get_node_id(),
+            address,
+            socket.gethostname(),
+            _interface_of(address),
+            len(os.sched_getaffinity(0)),
+        )
+
+    def open_store(self, address: str, world_size: int) -> int:
+        """Host the launch's rendezvous store (torch's TCPStore) here; its port (from the OS)."""
+        from torch.distributed import TCPStore
+
+        self._store = TCPStore(
+            host_name=address,
+            port=0,
+            world_size=world_size,
+            is_master=True,
+            timeout=_STORE_TIMEOUT,
+            wait_for_workers=False,
+        )
+        return int(self._store.port)
+
+    # ------------------------------------------------------------------ a run
+    def start(self, run: int, method: str, specs: list[WorkerSpec]) -> list[int]:
+        """Start this node's ranks of run ``run`` (``specs`` in the kernel's order); their pids.
+
+        As in the kernel (``_kernel/_start.py``): every rank is started before the gate
+        opens, and one that cannot start takes the started ones with it."""
+        with self._lock:
+            self._end_ranks()
+            self._run, self._outbox = run, Outbox(run)
+            self._folder = tempfile.mkdtemp(prefix="nb_dist_node_", dir=_scratch_root())
+            lifeline_reader, self._lifeline = multiprocessing.Pipe(duplex=False)
+            gate_reader, gate_writer = multiprocessing.Pipe(duplex=False)
+            context = _processes.forkserver_context() if method == "forkserver" else None
+            try:
+                for spec in specs:
+                    self._ranks.append(self._start_one(spec, method, context, lifeline_reader,
+                                                       gate_reader))  # fmt: skip
+            except BaseException:
+                self._end_ranks()
+                raise
+            finally:
+                for conn in (lifeline_reader, gate_reader, gate_writer):
+                    conn.close()  # the gate opens
+            self._stop_reading = threading.Event()
+            self._reader = threading.Thread(
+                target=self._read, args=(self._ranks, self._outbox, self._stop_reading),
+                name="nb_dist-node-reader", daemon=True,
+            )  # fmt: skip
+            self._reader.start()
+            return [local.process.pid for local in self._ranks]
+
+    def _start_one(
+        self,
+        spec: WorkerSpec,
+        method: str,
+        context: Any,
+        lifeline: Connection,
+        gate: Connection,
+    ) -> _Local:
+        assert self._folder is not None
+        folder = os.path.join(self._folder, str(spec.rank))
+        os.makedirs(folder)
+        counter = _collectives.create(folder, spec.rank)
+        env = dict(spec.env)
+        env[COLLECTIVES_ENV] = counter
+        env["TORCHELASTIC_ERROR_FILE"] = os.path.join(folder, "error.json")
+        spec = dataclasses.replace(spec, env=env, parent_pid=os.getpid(), close_fds=[])
+        pipes = {kind: multiprocessing.Pipe(duplex=False) for kind in KINDS}
+        widen(pipes["control"][0])  # a large result leaves the rank in 1 MB writes
+        commands_reader, commands_writer = multiprocessing.Pipe(duplex=False)
+        writers = {kind: writer for kind, (_, writer) in pipes.items()}
+        channels = WorkerChannels(**writers, lifeline=lifeline, gate=gate, commands=commands_reader)
+        try:
+            with _plain_main():
+                process = _processes.start(method, spec, channels, context)
+        finally:
+            for conn in (*writers.values(), commands_reader):
+                conn.close()  # the rank has its own copies
+        return _Local(
+            spec=spec,
+            process=process,
+            readers={kind: reader for kind, (reader, _) in pipes.items()},
+            commands=commands_writer,
+            counter=counter,
+            open_kinds=set(KINDS),
+        )
+
+    def poll(self, run: int, timeout: float) -> Batch:
+        """What run ``run``'s ranks said since the last poll, waiting up to ``timeout`` s for
+        something; ``over`` once the run ended here (a poll for another run: at once)."""
+        outbox = self._outbox
+        if run != outbox.run:
+            return Batch(run, over=True)
+        batch = outbox.take(timeout)
+        for index, local in enumerate(list(self._ranks) if run == self._run else []):
+            raw = _read_counter(local.counter)
+            if raw and raw != local.counts:
+                local.counts = batch.counters[index] = raw
+        return batch
+
+    def wake(self, run: int) -> None:
+        """Let the waiting poll of run ``run`` return now."""
+        if run == self._outbox.run:
+            self._outbox.wake()
+
+    def write(self, run: int, index: int, data: bytes) -> bool:
+        """Kernel → rank bytes (``commands``: the debugger's answers, a live rank's tasks)."""
+        local = self._rank(run, index)
+        if local is None or local.commands.closed:
+            return False
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(local.commands.fileno(), view) :]
+        except OSError:
+            return False
+        return True
+
+    def close_commands(self, run: int, index: int) -> None:
+        """The kernel closed its end of the rank's ``commands`` pipe: close this one."""
+        local = self._rank(run, index)
+        if local is not None:
+            local.commands.close()
+
+    def signal(self, run: int, index: int, sig: int, group: bool = True) -> bool:
+        """Signal the rank's process group (``group``) or the rank alone; whether it was there."""
+        local = self._rank(run, index)
+        if local is None:
+            return False
+        if group:
+            local.process.send_signal(sig)
+            return True
+        try:
+            local.process.signal_leader(sig)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def kill_and_reap(self, run: int, index: int) -> int:
+        """SIGKILL the rank's group and reap it; its exit code."""
+        local = self._rank(run, index)
+        if local is None:
+            return -signal.SIGKILL
+        with local.lock:
+            return local.process.kill_and_reap()
+
+    def end_run(self, run: int) -> None:
+        """The kernel is done with run ``run``: kill what is left, close everything."""
+        with self._lock:
+            if run == self._run:
+                self._end_ranks()
+            self._store = None  # the last reference: the server stops, its port is free
+
+    def _rank(self, run: int, index: int) -> _Local | None:
+        if run != self._run or not 0 <= index < len(self._ranks):
+            return None
+        return self._ranks[index]
+
+    def _end_ranks(self) -> None:
+        self._stop_reading.set()
+        if self._reader is not None:
+            self._reader.join(timeout=2.0)
+            self._reader = None
+        for local in self._ranks:
+            with local.lock:
+                local.process.kill_and_reap()
+            for conn in (*local.readers.values(), local.commands):
+                conn.close()
+        self._ranks = []
+        if self._lifeline is not None:
+            self._lifeline.close()
+            self._lifeline = None
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)
+            self._folder = None
+        self._outbox.end()
+
+    # ------------------------------------------------------------------ the reader thread
+    @staticmethod
+    def _read(ranks: list[_Local], outbox: Outbox, stop: threading.Event) -> None:
+        """Move what the ranks write into ``outbox`` until every rank has ended and been
+        reported (or the run ends)."""
+        selector = selectors.DefaultSelector()
+        for index, local in enumerate(ranks):
+            for kind, reader in local.readers.items():
+                selector.register(reader.fileno(), selectors.EVENT_READ, (index, kind))
+        try:
+            while not stop.is_set() and not all(local.reported for local in ranks):
+                ready = {key.data for key, _ in selector.select(timeout=0.02)}
+                for index, local in enumerate(ranks):
+                    for kind in KINDS:  # output first, then control (see KINDS)
+                        if (index, kind) in ready and not _read_once(local, index, kind, outbox):
+                            selector.unregister(local.readers[kind].fileno())
+                    _check_exit(local, index, outbox)
+        except Exception:  # a bug here must end the ranks' run, never leave the kernel waiting
+            _log.exception("nb_dist: the node agent's reader failed; its ranks are stopped")
+            for index, local in enumerate(ranks):
+                if not local.reported:
+                    with local.lock:
+                        code = local.process.kill_and_reap()
+                    for kind in sorted(local.open_kinds):
+                        outbox.add(index, kind, b"")
+                    local.reported = True
+                    outbox.exited(index, code)
+        finally:
+            selector.close()
+
+
+def _read_once(local: _Local, index: int, kind: str, outbox: Outbox) -> bool:
+    """One ``os.read`` of a pipe into the outbox; False once it closed."""
+    try:
+        data = os.read(local.readers[kind].fileno(), 1 << 20)
+    except OSError:
+        data = b""
+    outbox.add(index, kind, data)
+    if not data:
+        local.open_kinds.discard(kind)
+    return bool(data)
+
+
+def _check_exit(local: _Local, index: int, outbox: Outbox) -> None:
+    """Report the rank's exit code once its pipes are drained (or after a grace)."""
+    if local.reported:
+        return
+    with local.lock:
+        code = local.process.exit_code()
+    if code is None:
+        return
+    now = time.monotonic()
+    local.exited_at = local.exited_at or now
+    if not local.open_kinds or now - local.exited_at > DRAIN_AFTER_EXIT:
+        local.reported = True
+        outbox.exited(index, code)
+
+
+def _start_forkserver() -> None:
+    """Start the node's fork server now (it imports torch and nb_dist once), not at the first
+    rank's start; a failure here shows at that start instead."""
+    from multiprocessing import forkserver
+
+    with contextlib.suppress(Exception), _plain_main():
+        _processes.forkserver_context()
+        forkserver.ensure_running()
+
+
+@contextlib.contextmanager
+def _plain_main() -> Iterator[None]:
+    """While a rank starts, ``__main__`` is an empty module, not Ray's worker script.
+
+    multiprocessing tells a forkserver (or spawn) child to import the parent's ``__main__``
+    as ``__mp_main__``; in an agent that is ``ray/_private/workers/default_worker.py``, whose
+    import costs each rank seconds and whose code has no business in a rank."""
+    real = sys.modules["__main__"]
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        sys.modules["__main__"] = real
+
+
+def widen(conn: Connection, size: int = 1 << 20) -> None:
+    """A ``size``-byte pipe buffer where Linux allows it (the default is 64 kB)."""
+    import fcntl
+
+    with contextlib.suppress(OSError, AttributeError):
+        fcntl.fcntl(conn.fileno(), fcntl.F_SETPIPE_SZ, size)
+
+
+def _read_counter(path: str) -> bytes:
+    with contextlib.suppress(OSError), open(path, "rb", buffering=0) as file:
+        return os.pread(file.fileno(), _collectives.SIZE, 0)
+    return b""
+
+
+def _scratch_root() -> str | None:
+    shm = "/dev/shm"
+    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
+
+
+def _interface_of(address: str) -> str | None:
+    """The network interface that holds ``address`` (for gloo), if it can be told."""
+    try:
+        import psutil
+    except ImportError:  # pragma: no cover - psutil is a dependency
+        return None
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address == address for a in addresses):
+            return name
+    return None

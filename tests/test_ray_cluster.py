@@ -1,0 +1,636 @@
+"""Launches on a Ray cluster (``nb_dist.RayCluster``), on a real local multi-node cluster.
+
+``ray.cluster_utils.Cluster`` runs a head and a worker node, each with its own raylet (one
+CPU each, no dashboard), in this machine: the ranks run in the node agents' processes there,
+and their output, values, failures, stacks, counts and interrupts come back through
+nb_dist's forwarding exactly as a local launch's do. One cluster for the session (about 5 s
+to start and 1.4 GB); every test leaves no agent, placement group or rank behind. Skipped
+where Ray is not installed (``pip install "nb-dist[ray]"``).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+ray = pytest.importorskip("ray")
+
+import nb_dist  # noqa: E402
+from nb_dist._cluster._connect import ClusterError  # noqa: E402
+from nb_dist._cluster._gang import layout  # noqa: E402
+from nb_dist._cluster._placement import bundles, infeasible  # noqa: E402
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+
+#: How long Ray may take to mark a killed actor dead or a removed group removed.
+RAY_SETTLES_WITHIN = 20.0
+
+
+# ----------------------------------------------------------------------------- the cluster
+@pytest.fixture(scope="session")
+def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A head and a worker node, one CPU each, Ray's files under the session's tmp path."""
+    from ray.cluster_utils import Cluster
+
+    root = tmp_path_factory.mktemp("ray")
+    if len(str(root)) > 40:  # Ray's socket paths below it must stay under 107 characters
+        root = Path(tempfile.mkdtemp(prefix="nbray", dir=str(root.parent.parent.parent)))
+    (root / "ray").mkdir()
+    old = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = str(root)  # where Ray writes the current cluster's address
+    cluster = None
+    try:
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": 1,
+                "include_dashboard": False,
+                "temp_dir": str(root / "ray"),
+            },
+        )
+        cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, log_to_driver=False)
+        yield cluster
+    finally:
+        ray.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
+        if old is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = old
+
+
+def live_agents() -> list[dict[str, Any]]:
+    from ray._private import state
+
+    return [
+        a
+        for a in state.actors().values()
+        if a.get("State") != "DEAD" and "NodeAgent" in str(a.get("ActorClassName", ""))
+    ]
+
+
+def live_groups() -> list[dict[str, Any]]:
+    return [g for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
+
+
+def assert_cluster_clean(pids: list[int] = ()) -> None:  # type: ignore[assignment]
+    """No node agent, no placement group and none of ``pids`` left (Ray takes a moment)."""
+    deadline = time.monotonic() + RAY_SETTLES_WITHIN
+    while True:
+        agents, groups = live_agents(), live_groups()
+        ranks = [p for p in pids if psutil.pid_exists(p) and not _zombie(p)]
+        if not (agents or groups or ranks):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"left behind: agents {agents}, groups {groups}, ranks {ranks}")
+        time.sleep(0.1)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return True
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_processes() -> Iterator[None]:
+    """Ray's raylets start and keep worker processes as they like, so the suite-wide check of
+    this process's children is replaced here by the cluster's own: every test ends with no
+    agent, placement group or rank left (``cluster`` fixture, ``assert_cluster_clean``)."""
+    yield
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_cluster: Any) -> Iterator[nb_dist.RayCluster]:
+    """A RayCluster on the session's cluster, one rank per node, kept warm across the module's
+    tests (its agents start in seconds on a busy 2-core machine); closed and checked after."""
+    made = nb_dist.RayCluster(ray_cluster.address, placement="STRICT_SPREAD")
+    try:
+        yield made
+    finally:
+        made.close()
+        assert_cluster_clean()
+
+
+# ----------------------------------------------------------------------------- pure parts
+def test_layout_groups_ranks_by_node_id_not_by_address():
+    # Three agents, two of them on one node (PACK may do that): local ranks run across them.
+    lay = layout(["node-a", "node-b", "node-a"], [2, 1, 2])
+    assert lay.node_rank == (0, 0, 1, 0, 0)
+    assert lay.local_rank == (0, 1, 0, 2, 3)
+    assert lay.local_world_size == (4, 4, 1, 4, 4)
+    assert lay.num_nodes == 2
+    assert lay.agent == (0, 0, 1, 2, 2) and lay.position == (0, 1, 0, 0, 1)
+
+
+def test_placement_says_what_can_never_fit():
+    nodes = [{"CPU": 1.0}, {"CPU": 1.0}]
+    assert bundles(5, 2, {"CPU": 1}) == [{"CPU": 2.0}, {"CPU": 2.0}, {"CPU": 1.0}]
+    assert infeasible(bundles(2, 1, {"CPU": 1}), "STRICT_SPREAD", nodes) is None
+
+    def why(nprocs: int, per_node: int, per_rank: dict[str, float], strategy: str) -> str:
+        return infeasible(bundles(nprocs, per_node, per_rank), strategy, nodes) or ""
+
+    assert "3 different nodes" in why(3, 1, {"CPU": 1}, "STRICT_SPREAD")
+    assert "no node has 2 CPU" in why(2, 2, {"CPU": 1}, "PACK")
+    assert "one node with 2 CPU" in why(2, 1, {"CPU": 1}, "STRICT_PACK")
+    assert "1 GPU" in why(1, 1, {"GPU": 1}, "PACK")
+
+
+@pytest.mark.parametrize(
+    ("options", "says"),
+    [
+        ({"processes_per_node": 0}, "processes_per_node=0 must be a whole number, 1 or more"),
+        ({"placement": "SPREAD_THIN"}, "placement='SPREAD_THIN' is not one of Ray's strategies"),
+        ({"resources_per_rank": {"GPU": -1}}, "each entry must be a resource name and a number"),
+        ({"placement_timeout": 0}, "placement_timeout=0 must be a number of seconds above 0"),
+    ],
+)
+def test_bad_options_are_refused_before_connecting(options, says):
+    with pytest.raises(ValueError) as caught:
+        nb_dist.RayCluster("127.0.0.1:9", **options)  # nothing there: never reached
+    assert says in str(caught.value)
+
+
+# ----------------------------------------------------------------------------- launches
+def _env_and_sum(offset):
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    keys = ("RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "MASTER_ADDR",
+            "NB_DIST_NODE_ID")  # fmt: skip
+    return {k: os.environ[k] for k in keys}, t.item() + offset
+
+
+def test_values_per_rank_and_the_environment_by_node(cluster, ray_cluster):
+    result = nb_dist.notebook_launcher(_env_and_sum, (100,), num_processes=2, cluster=cluster)
+    (env0, total0), (env1, total1) = result
+    assert total0 == total1 == 103.0  # a real gloo all_reduce across the two nodes
+    assert [env0["RANK"], env1["RANK"]] == ["0", "1"]
+    assert env0["NB_DIST_NODE_ID"] != env1["NB_DIST_NODE_ID"]  # STRICT_SPREAD: one per node
+    assert [env0["NODE_RANK"], env1["NODE_RANK"]] == ["0", "1"]  # the nodes share an address
+    assert env0["LOCAL_RANK"] == env1["LOCAL_RANK"] == "0"
+    assert env0["LOCAL_WORLD_SIZE"] == "1" and env0["WORLD_SIZE"] == "2"
+    nodes = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    assert env0["MASTER_ADDR"] == env1["MASTER_ADDR"] == nodes[env0["NB_DIST_NODE_ID"]]
+    assert [o.status for o in result.outcomes] == ["ok", "ok"]
+    pids = [o.pid for o in result.outcomes]
+    cluster.close()
+    assert_cluster_clean(pids)
+
+
+def _chatty(lines):
+    import sys
+
+    import nb_dist
+
+    rank = nb_dist.rank()
+    for i in range(lines):
+        print(f"line {i} of rank {rank}")
+        if i % 10 == 0:
+            print(f"err {i} of rank {rank}", file=sys.stderr)
+    sys.stdout.write("no newline at the end")
+    return rank
+
+
+def test_output_is_labelled_complete_and_once(cluster, capsys):
+    lines = 200
+    result = nb_dist.notebook_launcher(_chatty, (lines,), num_processes=2, cluster=cluster)
+    out, err = capsys.readouterr()
+    assert list(result) == [0, 1]
+    for rank in (0, 1):
+        got = [line for line in out.splitlines() if line.startswith(f"[rank {rank}] line ")]
+        assert got == [f"[rank {rank}] line {i} of rank {rank}" for i in range(lines)]
+        errs = [line for line in err.splitlines() if line.startswith(f"[rank {rank}] err ")]
+        assert errs == [f"[rank {rank}] err {i} of rank {rank}" for i in range(0, lines, 10)]
+        assert out.count(f"[rank {rank}] no newline at the end") == 1
+        log = result.logs[rank]
+        assert log.count(f"line {lines - 1} of rank {rank}") == 1
+
+
+def _warm(x):
+    return x * 2
+
+
+def test_a_relaunch_reuses_the_agents(cluster):
+    first = nb_dist.notebook_launcher(_warm, (1,), num_processes=2, cluster=cluster)
+    agents = {a["ActorID"] for a in live_agents()}
+    again = nb_dist.notebook_launcher(_warm, (2,), num_processes=2, cluster=cluster)
+    assert list(first) == [2, 2] and list(again) == [4, 4]
+    assert {a["ActorID"] for a in live_agents()} == agents and len(agents) == 2
+    assert set(o.pid for o in first.outcomes).isdisjoint(o.pid for o in again.outcomes)
+
+
+def test_spawn_starts_fresh_interpreters_on_the_nodes(cluster):
+    result = nb_dist.notebook_launcher(_warm, (5,), num_processes=2, cluster=cluster,
+                                       start_method="spawn")  # fmt: skip
+    assert list(result) == [10, 10] and result.start_method == "spawn"
+
+
+def _one_raises():
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:
+        raise ValueError("rank one is broken")
+    dist.all_reduce(torch.ones(1))  # rank 0 waits for a peer that is gone
+
+
+def test_a_raising_rank_is_the_root_cause_once(cluster):
+    began = time.monotonic()
+    with pytest.raises(nb_dist.WorkerFailedError) as caught:
+        nb_dist.notebook_launcher(_one_raises, num_processes=2, cluster=cluster)
+    took = time.monotonic() - began
+    err = caught.value
+    text = str(err)
+    assert err.root_cause.rank == 1 and err.root_cause.exc_type == "ValueError"
+    assert text.splitlines()[0].startswith("rank 1"), text
+    assert text.count("Traceback (most recent call last)") == 1, text  # once, not per layer
+    assert 'raise ValueError("rank one is broken")' in text  # the traceback, with its line
+    assert err.outcomes[0].status in ("collateral", "stopped")
+    assert took < 60, took
+
+
+class _Unpicklable:
+    def __reduce__(self):
+        raise TypeError("this object stays in the kernel")
+
+
+def _cell(source: str, **names: Any) -> Any:
+    """A function defined as a notebook cell defines it: in ``__main__``, shipped by value."""
+    namespace = {"__name__": "__main__", **names}
+    exec(compile(textwrap.dedent(source), "<cell>", "exec"), namespace)
+    return namespace["f"]
+
+
+def test_what_does_not_pickle_is_named_before_anything_starts(ray_cluster):
+    f = _cell("def f():\n    return HELD\n", HELD=_Unpicklable())
+    fresh = nb_dist.RayCluster(ray_cluster.address)
+    with pytest.raises(TypeError) as caught:
+        nb_dist.notebook_launcher(f, num_processes=2, cluster=fresh)
+    text = str(caught.value)
+    assert "global 'HELD'" in text and "this object stays in the kernel" in text, text
+    assert text.rstrip().endswith("or pass what builds them."), text
+    assert fresh._gang is None  # refused before any agent was made
+
+
+def test_a_cell_function_and_its_globals_are_shipped(cluster, capsys):
+    f = _cell("def f(x):\n    return helper(x) + OFFSET\n", helper=lambda x: x * 10, OFFSET=1)
+    assert list(nb_dist.notebook_launcher(f, (4,), num_processes=2, cluster=cluster)) == [41, 41]
+    assert "shipped f() with OFFSET, helper and 1 argument(s)" in capsys.readouterr().err
+
+
+def test_the_preflight_says_what_was_shipped(cluster, capsys):
+    nb_dist.notebook_launcher(_warm, (3,), num_processes=2, cluster=cluster)
+    err = capsys.readouterr().err
+    assert "shipped _warm() with no globals and 1 argument(s)" in err, err
+    assert "to 2 ranks on 2 node(s)" in err, err
+
+
+def test_local_placement_options_are_refused_with_a_cluster(cluster):
+    with pytest.raises(ValueError, match=r"use_port.*Remove use_port"):
+        nb_dist.notebook_launcher(_warm, (1,), num_processes=2, cluster=cluster, use_port=29500)
+    with pytest.raises(ValueError, match="num_processes=8"):
+        nb_dist.notebook_launcher(_warm, (1,), cluster=cluster)
+    with pytest.raises(ValueError, match=r"debug='postmortem' is not available with cluster="):
+        nb_dist.notebook_launcher(_warm, (1,), num_processes=2, cluster=cluster,
+                                  debug="postmortem")  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- live ranks
+CELL = """
+import os
+import torch
+import torch.distributed as dist
+t = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(t)
+print("on node", os.environ["NODE_RANK"])
+t.item()
+"""
+
+
+def test_live_ranks_across_nodes_keep_their_state(cluster, capsys, tmp_path):
+    with nb_dist.Ranks(num_processes=2, cluster=cluster) as ranks:
+        assert list(ranks.exec(CELL)) == [3.0, 3.0]  # a real all_reduce across the nodes
+        out = capsys.readouterr().out
+        assert "[rank 0] on node 0" in out and "[rank 1] on node 1" in out, out
+        ranks.push(lr=0.5, seed=nb_dist.per_rank(7, 8))
+        assert list(ranks.pull("lr")) == [0.5, 0.5] and list(ranks.pull("seed")) == [7, 8]
+        with pytest.raises(nb_dist.WorkerFailedError) as caught:
+            ranks.exec("if dist.get_rank() == 1:\n    raise ValueError('only on rank 1')")
+        text = str(caught.value)
+        assert text.startswith("rank 1 failed first: ValueError: only on rank 1"), text
+        assert "The session is still usable" in text, text
+        assert [v.item() for v in ranks.pull("t")] == [3.0, 3.0]  # state kept
+        f = _cell("def f(x):\n    return x + lr\n")  # defined after the start
+        assert list(ranks.run(f, 1)) == [1.5, 1.5]
+        with pytest.raises(ClusterError, match=r"running live ranks.*ranks\.close\(\)"):
+            nb_dist.notebook_launcher(_warm, (1,), num_processes=2, cluster=cluster)
+        ranks.export(str(tmp_path / "train.py"))
+        assert "dist.all_reduce(t)" in (tmp_path / "train.py").read_text()
+        supervisor = ranks._supervisor
+        assert supervisor is not None
+        pids = [w.outcome.pid for w in supervisor.workers]
+    assert_cluster_clean_of_ranks(pids)
+
+
+def test_live_ranks_on_a_cluster_end_a_skipped_collective_and_restart(cluster):
+    with nb_dist.Ranks(num_processes=2, cluster=cluster) as ranks:
+        ranks.exec(CELL)
+        began = time.monotonic()
+        with pytest.raises(nb_dist.WorkerFailedError) as caught:
+            ranks.exec("if dist.get_rank() == 0:\n    dist.all_reduce(t)")
+        assert time.monotonic() - began < 30
+        text = str(caught.value)
+        assert "all_reduce" in text and "restarted with fresh ranks" in text, text
+        assert list(ranks.exec("1 + 1")) == [2, 2]  # the fresh ranks answer
+
+
+def test_a_live_cell_past_its_timeout_is_interrupted_on_every_node(cluster):
+    """SIGINT reaches ranks started from a Ray worker's thread (which blocks it)."""
+    with nb_dist.Ranks(num_processes=2, cluster=cluster) as ranks:
+        with pytest.raises(nb_dist.LaunchTimeoutError) as caught:
+            ranks.exec("import time\ntime.sleep(120)", timeout=5)
+        text = str(caught.value)
+        assert "time.sleep(120)" in text and "The session is still usable" in text, text
+        assert list(ranks.exec("2 * 3")) == [6, 6]
+
+
+def assert_cluster_clean_of_ranks(pids: list[int]) -> None:
+    """The ranks ``pids`` are gone (the cluster's agents may stay, kept warm)."""
+    deadline = time.monotonic() + RAY_SETTLES_WITHIN
+    while any(psutil.pid_exists(p) and not _zombie(p) for p in pids):
+        assert time.monotonic() < deadline, f"ranks left: {pids}"
+        time.sleep(0.05)
+
+
+# ----------------------------------------------------------------------------- cluster faults
+def test_resources_the_cluster_never_has_are_refused_at_once(ray_cluster):
+    groups = {g["placement_group_id"] for g in live_groups()}
+    gpus = nb_dist.RayCluster(ray_cluster.address, resources_per_rank={"GPU": 1})
+    began = time.monotonic()
+    with pytest.raises(ClusterError) as caught:
+        nb_dist.notebook_launcher(_warm, (1,), num_processes=2, cluster=gpus)
+    assert time.monotonic() - began < 5
+    text = str(caught.value)
+    assert "asks for 2 bundle(s) of 1 GPU placed PACK" in text, text
+    assert "2 live node(s)" in text and "1 CPU" in text, text
+    assert text.endswith("or add nodes."), text
+    assert gpus._gang is None and {g["placement_group_id"] for g in live_groups()} == groups
+
+
+def test_resources_held_by_others_are_refused_within_the_placement_timeout(ray_cluster, cluster):
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    cluster.close()  # its agents hold both CPUs
+
+    other = placement_group([{"CPU": 1}], strategy="PACK")  # another job holds one CPU
+    ray.get(other.ready(), timeout=60)
+    try:
+        busy = nb_dist.RayCluster(
+            ray_cluster.address, placement="STRICT_SPREAD", placement_timeout=1.0
+        )
+        began = time.monotonic()
+        with pytest.raises(ClusterError) as caught:
+            nb_dist.notebook_launcher(_warm, (1,), num_processes=2, cluster=busy)
+        assert time.monotonic() - began < 10
+        text = str(caught.value)
+        assert "did not place this launch within 1 s" in text, text
+        assert "only 1 CPU is free now" in text, text
+    finally:
+        remove_placement_group(other)
+    assert_cluster_clean()
+
+
+def _run_python(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_without_ray_one_line_says_how_to_get_it():
+    done = _run_python(
+        """
+        import sys
+        sys.modules["ray"] = None  # as if Ray were not installed
+        import nb_dist
+        try:
+            nb_dist.RayCluster()
+        except Exception as exc:
+            print(type(exc).__name__, exc, sep="|")
+        """
+    )
+    name, text = done.stdout.strip().split("|")
+    assert name == "ClusterError" and "\n" not in text
+    assert 'pip install "nb-dist[ray]"' in text, text
+
+
+def test_no_cluster_at_the_address_says_how_to_start_one():
+    with socket.socket() as unused:  # a port nobody listens on: bound here, never listened
+        unused.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{unused.getsockname()[1]}"
+        done = _run_python(
+            f"""
+            import nb_dist
+            try:
+                nb_dist.RayCluster({address!r})
+            except Exception as exc:
+                print(type(exc).__name__, exc, sep="|")
+            """
+        )
+    name, text = done.stdout.strip().split("|")
+    assert name == "ClusterError", done.stdout + done.stderr
+    assert f"No Ray cluster at address='{address}'" in text, text
+    assert "ray start --head" in text and "\n" not in text, text
+
+
+def test_import_nb_dist_does_not_import_ray():
+    done = _run_python("import sys, nb_dist; print('ray' in sys.modules)")
+    assert done.stdout.strip() == "False", done.stderr
+
+
+# ----------------------------------------------------------------------------- hangs, ■, loss
+def _stuck_in_a_collective():
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    dist.all_reduce(torch.ones(1))
+    if dist.get_rank() == 0:  # waits in its second all_reduce for rank 1, forever
+        dist.all_reduce(torch.ones(1))
+    else:
+        time.sleep(600)
+
+
+def test_timeout_shows_every_ranks_stack_and_collective_counts(cluster):
+    with pytest.raises(nb_dist.LaunchTimeoutError) as caught:
+        nb_dist.notebook_launcher(_stuck_in_a_collective, num_processes=2, cluster=cluster,
+                                  timeout=15)  # fmt: skip
+    err = caught.value
+    text = str(err)
+    assert "rank 0 was blocked at `dist.all_reduce(torch.ones(1))`" in text, text
+    assert "rank 1 was blocked at `time.sleep(600)`" in text, text
+    assert "all_reduce #2" in text, text  # the counts, read on the node, mirrored here
+    assert "time.sleep(600)" in err.stacks[1] and "all_reduce" in err.stacks[0]
+    assert [o.status for o in err.outcomes] == ["stopped", "stopped"]
+
+
+def _blocked_and_announced(folder):
+    import os
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    with open(os.path.join(folder, f"rank{rank}"), "w") as file:
+        file.write(f"{os.getpid()} {os.environ['NB_DIST_NODE_ID']}")
+    if rank == 0:
+        time.sleep(600)
+    dist.all_reduce(torch.ones(1))  # the others wait for rank 0 in a collective
+
+
+def _announced(folder: Path, count: int, within: float = 120.0) -> dict[int, tuple[int, str]]:
+    """Each rank's (pid, Ray node id) once all ``count`` ranks wrote them (a handshake)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        files = sorted(folder.glob("rank*"))
+        texts = [f.read_text() for f in files]
+        if len(files) == count and all(texts):
+            found = {}
+            for f, text in zip(files, texts, strict=True):
+                pid, node = text.split()
+                found[int(f.name[4:])] = (int(pid), node)
+            return found
+        time.sleep(0.02)
+    raise AssertionError(f"the ranks did not all start within {within} s")
+
+
+def test_interrupt_stops_every_rank_even_one_in_a_collective(cluster, tmp_path):
+    handler = signal.getsignal(signal.SIGINT)
+    main = threading.get_ident()
+    announced: dict[int, tuple[int, str]] = {}
+    interrupted_at: list[float] = []
+
+    def press_stop() -> None:
+        announced.update(_announced(tmp_path, 2))
+        time.sleep(0.3)  # let rank 1 reach the collective it announced (no signal for that)
+        interrupted_at.append(time.monotonic())
+        signal.pthread_kill(main, signal.SIGINT)
+
+    presser = threading.Thread(target=press_stop, daemon=True)
+    presser.start()
+    with pytest.raises(KeyboardInterrupt) as caught:
+        nb_dist.notebook_launcher(_blocked_and_announced, (str(tmp_path),), num_processes=2,
+                                  cluster=cluster)  # fmt: skip
+    stopped = time.monotonic() - interrupted_at[0]
+    presser.join()
+    assert "all 2 ranks were stopped" in str(caught.value)
+    assert signal.getsignal(signal.SIGINT) is handler  # no handler left behind
+    assert stopped < 30, stopped  # (bench/ray_cluster.py measures how fast)
+    assert cluster._gang is None  # ■ gave the agents and the group back
+    assert_cluster_clean([pid for pid, _ in announced.values()])
+
+
+def test_a_lost_node_names_its_ranks_as_the_root_cause(ray_cluster, cluster, tmp_path):
+    cluster.close()
+    doomed = ray_cluster.add_node(num_cpus=1)
+    ray_cluster.wait_for_nodes()
+    three = nb_dist.RayCluster(ray_cluster.address, placement="STRICT_SPREAD")
+    announced: dict[int, tuple[int, str]] = {}
+
+    def lose_the_node() -> None:
+        announced.update(_announced(tmp_path, 3))
+        ray_cluster.remove_node(doomed, allow_graceful=False)
+
+    killer = threading.Thread(target=lose_the_node, daemon=True)
+    killer.start()
+    try:
+        with pytest.raises(nb_dist.WorkerFailedError) as caught:
+            nb_dist.notebook_launcher(_blocked_and_announced, (str(tmp_path),), num_processes=3,
+                                      cluster=three, timeout=120)  # fmt: skip
+    finally:
+        killer.join()
+        three.close()
+    lost = [rank for rank, (_, node) in announced.items() if node == doomed.node_id]
+    err = caught.value
+    assert err.root_cause.rank in lost and err.root_cause.exc_type == "NodeLostError", str(err)
+    text = str(err)
+    assert text.startswith(f"rank {lost[0]} failed first: NodeLostError"), text
+    assert f"Ray node {doomed.node_id[:8]}" in text and "launch again" in text, text
+    assert_cluster_clean([pid for pid, _ in announced.values()])
+
+
+# ----------------------------------------------------------------------------- a real kernel
+@pytest.mark.kernel
+def test_in_a_kernel_output_lands_in_its_cell_and_kernel_death_leaves_nothing(
+    ray_cluster, cluster, kernels, tmp_path
+):
+    from kernel_helpers import execute, kernel_pid, send
+
+    cluster.close()  # the kernel's launch needs both CPUs
+    km, kc = kernels()
+    execute(kc, f"""
+        import nb_dist
+        cluster = nb_dist.RayCluster({ray_cluster.address!r}, placement="STRICT_SPREAD")
+        def chatty():
+            for i in range(30):
+                print("line", i, "of", nb_dist.rank())
+            return nb_dist.rank()
+    """).expect_ok()  # fmt: skip
+    cell = execute(kc, "nb_dist.notebook_launcher(chatty, num_processes=2, cluster=cluster)")
+    cell.expect_ok()
+    for rank in (0, 1):
+        lines = [x for x in cell.stdout().splitlines() if x.startswith(f"[rank {rank}] line")]
+        assert lines == [f"[rank {rank}] line {i} of {rank}" for i in range(30)]
+    assert cell.result_text == "LaunchResult([0, 1])"
+    execute(kc, "ranks = nb_dist.Ranks(num_processes=2, cluster=cluster)\n%load_ext nb_dist")
+    live = execute(
+        kc, "%%ranks\nimport torch.distributed as dist\nprint('live on', dist.get_rank())"
+    )
+    live.expect_ok()
+    assert "[rank 0] live on 0" in live.stdout() and "[rank 1] live on 1" in live.stdout()
+    execute(kc, "ranks.close()").expect_ok()
+    after = execute(kc, "print('next cell')").expect_ok()
+    assert after.stdout() == "next cell\n" and not after.foreign  # nothing came late
+
+    folder = tmp_path / "hang"
+    folder.mkdir()
+    execute(kc, inspect.getsource(_blocked_and_announced)).expect_ok()
+    send(kc, f"nb_dist.notebook_launcher(_blocked_and_announced, ({str(folder)!r},), "
+             "num_processes=2, cluster=cluster)")  # fmt: skip
+    pids = [pid for pid, _ in _announced(folder, 2).values()]
+    assert live_agents() and live_groups()
+    os.kill(kernel_pid(km), signal.SIGKILL)  # the kernel dies, not shut down
+    assert_cluster_clean(pids)
