@@ -537,7 +537,19 @@ def _announced(folder: Path, count: int, within: float = 120.0) -> dict[int, tup
     raise AssertionError(f"the ranks did not all start within {within} s")
 
 
-def test_interrupt_stops_every_rank_even_one_in_a_collective(cluster, tmp_path):
+@pytest.fixture
+def python_sigint() -> Iterator[None]:
+    """Python's own SIGINT handler, as in a kernel: another library's launcher run earlier in
+    this process (torch elastic's, under Accelerate's notebook_launcher) may have left its
+    handler, which raises SignalException instead of KeyboardInterrupt."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_interrupt_stops_every_rank_even_one_in_a_collective(cluster, tmp_path, python_sigint):
     handler = signal.getsignal(signal.SIGINT)
     main = threading.get_ident()
     announced: dict[int, tuple[int, str]] = {}
