@@ -61,3 +61,21 @@ def test_kill_and_reap_of_a_forked_worker_returns_its_signal(sleeper):
     worker = _processes._Spawned(sleeper)
     assert worker.kill_and_reap() == -signal.SIGKILL
     assert sleeper.returncode == -signal.SIGKILL  # Popen knows: it will not wait again
+
+
+def test_an_ended_worker_keeps_its_exit_code_and_is_never_signalled_again():
+    # A node's agent asks for the exit code on every read until the rank's pipes are drained:
+    # once reaped, the answer must stay the rank's own code (it read as SIGKILL before), and
+    # the pid, free for the system to reuse, must never be signalled or waited for again.
+    child = subprocess.Popen(["sh", "-c", "exit 3"])
+    worker = _processes._Spawned(child)
+    deadline = time.monotonic() + 30
+    while (code := worker.exit_code()) is None:
+        assert time.monotonic() < deadline, "sh -c 'exit 3' never ended"
+        time.sleep(0.005)
+    assert code == 3
+    assert [worker.exit_code(), worker.exit_code()] == [3, 3]
+    assert worker.kill_and_reap() == 3  # not SIGKILL: it had ended on its own
+    worker.send_signal(signal.SIGTERM)  # a no-op now, not a signal to a reused pid
+    with pytest.raises(ProcessLookupError):
+        worker.signal_leader(signal.SIGUSR1)

@@ -44,7 +44,7 @@ class WorkerProcess(Protocol):
         """The exit code if it has ended (negative: the signal), reaped; else ``None``.
 
         Kills the worker's leftover process group (grandchildren) before reaping, while the
-        zombie still reserves the group's id.
+        zombie still reserves the group's id. Asked again, it gives the same code.
         """
 
     def send_signal(self, sig: int) -> None:
@@ -96,8 +96,14 @@ def forkserver_context() -> BaseContext:
 class _Forked:
     def __init__(self, pid: int) -> None:
         self.pid = pid
+        # Set once reaped: the pid is free for the system to give to another process, so it
+        # is never signalled or waited for again, and exit_code() keeps answering (a node's
+        # agent asks on every read until the rank's pipes are drained).
+        self._code: int | None = None
 
     def exit_code(self) -> int | None:
+        if self._code is not None:
+            return self._code
         try:
             info = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
         except ChildProcessError:
@@ -108,12 +114,17 @@ class _Forked:
         return self._reap()  # it has ended: a zombie is reaped at once
 
     def send_signal(self, sig: int) -> None:
-        signal_group(self.pid, sig)
+        if self._code is None:
+            signal_group(self.pid, sig)
 
     def signal_leader(self, sig: int) -> None:
+        if self._code is not None:
+            raise ProcessLookupError(self.pid)
         os.kill(self.pid, sig)
 
     def kill_and_reap(self) -> int:
+        if self._code is not None:
+            return self._code
         signal_group(self.pid, signal.SIGKILL)
         code = self._reap(within=REAP_WITHIN)
         if code is None:
@@ -124,7 +135,10 @@ class _Forked:
     def _reap(self, within: float | None = None) -> int | None:
         """Wait for the worker to end: its exit code, or ``None`` if ``within`` s pass first."""
         code = reap_within(self.pid, within)
-        return -signal.SIGKILL if code == _GONE else code
+        if code is None:
+            return None
+        self._code = -signal.SIGKILL if code == _GONE else code
+        return self._code
 
 
 class _Spawned(_Forked):

@@ -40,9 +40,12 @@ class Rendezvous:
 class Rank:
     """One worker: started by the supervisor, fed by its pipes, finalized once it ended."""
 
-    def __init__(self, local_rank: int, rank: int) -> None:
+    def __init__(self, local_rank: int, rank: int, local_rank_on_node: int | None = None) -> None:
+        #: This rank's index among the kernel's ranks (its pipes, its output's place).
         self.local_rank = local_rank
-        self.outcome = RankOutcome(rank=rank, local_rank=local_rank, status="starting")
+        #: Its ``LOCAL_RANK``, as outcomes report it (on a cluster: on its node).
+        self.local_rank_on_node = local_rank if local_rank_on_node is None else local_rank_on_node
+        self.outcome = RankOutcome(rank=rank, local_rank=self.local_rank_on_node, status="starting")
         self.process: WorkerProcess | None = None
         self.pipes: dict[str, Connection] = {}
         self.commands: Connection | None = None  # kernel → worker
@@ -69,7 +72,7 @@ class Rank:
     def begin_task(self) -> None:
         """Forget the last task (a live rank): a fresh outcome, no value, no failure."""
         self.outcome = RankOutcome(
-            rank=self.outcome.rank, local_rank=self.local_rank, status="starting",
+            rank=self.outcome.rank, local_rank=self.local_rank_on_node, status="starting",
             pid=self.outcome.pid,
         )  # fmt: skip
         self.value, self.result, self.failure = None, None, None

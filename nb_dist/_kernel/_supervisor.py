@@ -67,7 +67,10 @@ class Supervisor:
     ) -> None:
         self.config = plan
         self.worker_env = worker_env
-        self.workers = [Rank(i, r) for i, r in enumerate(plan.ranks)]
+        self.workers = [
+            Rank(i, r, int(env["LOCAL_RANK"]) if "LOCAL_RANK" in env else None)
+            for i, (r, env) in enumerate(zip(plan.ranks, worker_env, strict=True))
+        ]
         #: The run now going on: its ranks, output, reports and watchdog marks (``_pump.py``).
         self.current = Run(self.workers, router, observer)
         self._pump = Pump()

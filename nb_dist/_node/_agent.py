@@ -68,11 +68,13 @@ class NodeAgent:
     """One node's ranks for the kernel; every method is called through Ray."""
 
     def __init__(self, method: str = "forkserver") -> None:
+        self._niceness = _node_niceness()
+        _take_priority(self._niceness)  # this thread's imports, at the ranks' priority
         import torch  # noqa: F401 - the forkserver preloads it (see _processes)
 
         if method == "forkserver":  # its imports overlap the launch's other preparations
-            threading.Thread(target=_start_forkserver, name="nb_dist-forkserver",
-                             daemon=True).start()  # fmt: skip
+            threading.Thread(target=_start_forkserver, args=(self._niceness,),
+                             name="nb_dist-forkserver", daemon=True).start()  # fmt: skip
 
         self._run = -1
         self._ranks: list[_Local] = []
@@ -121,6 +123,7 @@ class NodeAgent:
         As in the kernel (``_kernel/_start.py``): every rank is started before the gate
         opens, and one that cannot start takes the started ones with it."""
         with self._lock:
+            _take_priority(self._niceness)  # before this thread starts a rank (or a server)
             self._end_ranks()
             self._run, self._outbox = run, Outbox(run)
             self._folder = tempfile.mkdtemp(prefix="nb_dist_node_", dir=_scratch_root())
@@ -329,11 +332,39 @@ def _check_exit(local: _Local, index: int, outbox: Outbox) -> None:
         outbox.exited(index, code)
 
 
-def _start_forkserver() -> None:
+def _node_niceness() -> int | None:
+    """The raylet's niceness (this agent's parent), which the ranks take back.
+
+    Ray starts its workers, this agent among them, at niceness 15 so that the raylet stays
+    responsive; ranks that inherited it would get a sliver of a busy node's CPUs (a spawned
+    rank took 50 s to import torch beside two busy processes, instead of 3 s)."""
+    try:
+        return os.getpriority(os.PRIO_PROCESS, os.getppid())
+    except OSError:
+        return None
+
+
+def _take_priority(niceness: int | None) -> None:
+    """Run the calling thread at ``niceness`` where that is lower than its own and the system
+    allows it (root, CAP_SYS_NICE or RLIMIT_NICE); otherwise leave it.
+
+    Linux keeps a niceness per thread, and a process inherits the one of the thread that
+    started it: the threads that start ranks and the fork server take it, the agent's Ray
+    threads keep Ray's."""
+    if niceness is None:
+        return
+    thread = threading.get_native_id()
+    with contextlib.suppress(OSError):
+        if os.getpriority(os.PRIO_PROCESS, thread) > niceness:
+            os.setpriority(os.PRIO_PROCESS, thread, niceness)
+
+
+def _start_forkserver(niceness: int | None) -> None:
     """Start the node's fork server now (it imports torch and nb_dist once), not at the first
     rank's start; a failure here shows at that start instead."""
     from multiprocessing import forkserver
 
+    _take_priority(niceness)
     with contextlib.suppress(Exception), _plain_main():
         _processes.forkserver_context()
         forkserver.ensure_running()
