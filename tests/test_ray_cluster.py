@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -338,9 +339,6 @@ def test_local_placement_options_are_refused_with_a_cluster(cluster):
         nb_dist.notebook_launcher(_warm, (1,), num_processes=2, cluster=cluster, use_port=29500)
     with pytest.raises(ValueError, match="num_processes=8"):
         nb_dist.notebook_launcher(_warm, (1,), cluster=cluster)
-    with pytest.raises(ValueError, match=r"debug='postmortem' is not available with cluster="):
-        nb_dist.notebook_launcher(_warm, (1,), num_processes=2, cluster=cluster,
-                                  debug="postmortem")  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- live ranks
@@ -653,7 +651,7 @@ def test_a_lost_node_names_its_ranks_as_the_root_cause(ray_cluster, cluster, tmp
 def test_in_a_kernel_output_lands_in_its_cell_and_kernel_death_leaves_nothing(
     ray_cluster, cluster, kernels, tmp_path
 ):
-    from kernel_helpers import execute, kernel_pid, send
+    from kernel_helpers import execute, execute_answering, kernel_pid, send
 
     cluster.close()  # the kernel's launch needs both CPUs
     km, kc = kernels()
@@ -678,6 +676,63 @@ def test_in_a_kernel_output_lands_in_its_cell_and_kernel_death_leaves_nothing(
     live.expect_ok()
     assert "[rank 0] live on 0" in live.stdout() and "[rank 1] live on 1" in live.stdout()
     execute(kc, "ranks.close()").expect_ok()
+
+    # Live ranks with debug="postmortem": pdb opens in the failing cell, on the rank's node.
+    execute(
+        kc, "dbg = nb_dist.Ranks(num_processes=2, cluster=cluster, debug='postmortem')"
+    ).expect_ok()
+    cell = "dbg.exec('import nb_dist\\nz = 5\\nif nb_dist.rank() == 0:\\n    1 / (z - 5)')"
+    talk = execute_answering(kc, cell, ["p z", "q"], timeout=120)
+    assert talk.prompts == ["[rank 0] (Pdb) "] * 2
+    assert "\n5\n" in re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", talk.run.stdout())
+    assert talk.run.error is not None and "still usable" in talk.run.error["evalue"]
+    assert execute(kc, "dbg.exec('z')").expect_ok().result_text == "LaunchResult([5, 5])"
+    execute(kc, "dbg.close()").expect_ok()
+
+    # nb_dist.breakpoint on a node: pdb's prompt in this cell, the answers sent through the
+    # rank's agent, the other rank waiting in the barrier meanwhile.
+    execute(kc, """
+        def paused():
+            import torch.distributed as dist
+            dist.init_process_group("gloo")
+            secret = 41 + dist.get_rank()
+            nb_dist.breakpoint(rank=1)
+            after = secret * 2
+            dist.barrier()
+            return after
+    """).expect_ok()  # fmt: skip
+    launch = "nb_dist.notebook_launcher(paused, num_processes=2, cluster=cluster, timeout=120)"
+    talk = execute_answering(kc, launch, ["p secret", "secret = 50", "c"], timeout=120)
+    talk.run.expect_ok()
+    assert talk.prompts == ["[rank 1] (Pdb) "] * 3  # rank 1 only
+    assert "\n42\n" in re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", talk.run.stdout())
+    assert talk.run.result_text == "LaunchResult([82, 100])"  # the answer changed rank 1
+
+    # debug="postmortem": the failed rank stays at its exception on its node, %debug opens
+    # pdb inside it from the next cell, and q releases it and its run on the agents.
+    execute(kc, """
+        def failing():
+            import torch.distributed as dist
+            dist.init_process_group("gloo")
+            if dist.get_rank() == 1:
+                y = 21
+                raise ValueError(f"bad {y}")
+            dist.barrier()
+    """).expect_ok()  # fmt: skip
+    failed = execute(kc, "nb_dist.notebook_launcher(failing, num_processes=2, cluster=cluster, "
+                         "debug='postmortem')", timeout=120)  # fmt: skip
+    assert failed.error is not None and failed.error["ename"] == "WorkerFailedError"
+    assert "Rank 1 is kept at its exception for a post-mortem" in failed.error["evalue"]
+    held = int(execute(kc, "import sys\nprint(sys.last_value.post_mortem.rank.process.pid)")
+               .expect_ok().stdout())  # fmt: skip
+    talk = execute_answering(kc, "%debug", ["p y", "q"], timeout=120)
+    talk.run.expect_ok()
+    assert talk.prompts == ["[rank 1] (Pdb) "] * 2
+    assert "\n21\n" in re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", talk.run.stdout())
+    assert_cluster_clean_of_ranks([held])  # q ended it on its node
+    again = execute_answering(kc, launch, ["c"], timeout=120)  # the agents still serve
+    assert again.run.expect_ok().result_text == "LaunchResult([82, 84])"
+
     after = execute(kc, "print('next cell')").expect_ok()
     assert after.stdout() == "next cell\n" and not after.foreign  # nothing came late
 

@@ -51,12 +51,6 @@ def decide(
             "num_processes=None means one process per local GPU; on a cluster say how many "
             "ranks to start in all, e.g. num_processes=8 (processes_per_node of them per node)."
         )
-    if plan.debug is not None:
-        raise ValueError(
-            f"debug={plan.debug!r} is not available with cluster= yet: a failed rank cannot be "
-            "held on its node for %debug. Reproduce the failure on this machine (the same "
-            "call without cluster=, fewer processes), or print and report() from the ranks."
-        )
     nprocs = options.num_processes
     method = "forkserver" if plan.start_method == "fork" else plan.start_method
     payload, shipped = ship(plan.function, plan.args)
@@ -224,6 +218,7 @@ class ClusterSupervisor(Supervisor):
         super().__init__(plan, worker_env, router, observer)
         self._gang = gang
         self._forwarder: Forwarder | None = None
+        self._forwarding_ended = False
 
     @property
     def node_lost(self) -> bool:
@@ -282,6 +277,16 @@ class ClusterSupervisor(Supervisor):
 
     def _close(self) -> None:
         super()._close()
-        if self._forwarder is not None:
+        if self.held is not None and self.held.alive:
+            return  # held for a post-mortem: its release ends the forwarding (below)
+        self._end_forwarding()
+
+    def _after_post_mortem(self) -> Callable[[], None]:
+        return self._end_forwarding
+
+    def _end_forwarding(self) -> None:
+        """Stop the run's forwarder and end the run on every agent (once)."""
+        if self._forwarder is not None and not self._forwarding_ended:
+            self._forwarding_ended = True
             self._forwarder.stop()
             self._gang.end_run(self._forwarder.links)

@@ -77,18 +77,18 @@ def start(
     return _FromForkserver(process)
 
 
-def forkserver_context() -> BaseContext:
+def forkserver_context(preload: bool | None = None) -> BaseContext:
     """multiprocessing's fork server, which imports torch and the worker once, when it starts.
 
     Without the preload every worker it forks imports torch itself (2-3 s per launch). The
     server never computes, so it has no OpenMP pool and touches no CUDA: its children keep
-    their threads and can use GPUs. A server already started by other code keeps its own
-    preload list.
+    their threads and can use GPUs. ``preload=None`` preloads where this process has torch
+    already (a kernel without it does not pay for it); a node's agent says ``True``. A server
+    already started by other code keeps its own preload list.
     """
     context = multiprocessing.get_context("forkserver")
-    preload = ["torch", "nb_dist._rank._entry"]
-    if "torch" in sys.modules:
-        context.set_forkserver_preload(preload)
+    if preload or (preload is None and "torch" in sys.modules):
+        context.set_forkserver_preload(["torch", "nb_dist._rank._entry"])
     return context
 
 

@@ -18,6 +18,7 @@ leaves ``%debug`` as it was).
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import time
 import weakref
@@ -30,6 +31,8 @@ from ._output import OutputRouter
 from ._pump import Pump, poll_exit
 from ._rank_handle import Rank
 from ._tracebacks import ipython_shell, relabel_cells
+
+_log = logging.getLogger(__name__)
 
 #: Tells the user why no prompt appeared (printed once per debugger).
 NO_FRONTEND = (
@@ -134,12 +137,19 @@ class PostMortem:
     the rank still dies with the kernel.
     """
 
-    def __init__(self, rank: Rank, lifeline: Connection | None, output: OutputRouter) -> None:
+    def __init__(
+        self,
+        rank: Rank,
+        lifeline: Connection | None,
+        output: OutputRouter,
+        on_release: Callable[[], None] | None = None,
+    ) -> None:
         self.rank = rank
         self._lifeline = lifeline
         self._router = output
         _held.add(self)
-        self._finalizer = weakref.finalize(self, _release, rank, lifeline)
+        # on_release: what else ends with the rank (on a cluster, its run's forwarding).
+        self._finalizer = weakref.finalize(self, _release, rank, lifeline, on_release)
 
     @property
     def alive(self) -> bool:
@@ -186,7 +196,9 @@ class PostMortem:
         return f"PostMortem(rank {self.rank.outcome.rank}, {state})"
 
 
-def _release(rank: Rank, lifeline: Connection | None) -> None:
+def _release(
+    rank: Rank, lifeline: Connection | None, on_release: Callable[[], None] | None
+) -> None:
     if rank.alive and rank.process is not None:
         rank.stop_requested = True
         rank.returncode = rank.process.kill_and_reap()
@@ -196,6 +208,11 @@ def _release(rank: Rank, lifeline: Connection | None) -> None:
     if lifeline is not None:
         with contextlib.suppress(OSError):
             lifeline.close()
+    if on_release is not None:
+        try:
+            on_release()
+        except Exception:  # a release must not fail (the cluster may be gone by now)
+            _log.exception("nb_dist: ending a post-mortem's run failed")
 
 
 _held: set[PostMortem] = set()

@@ -396,7 +396,9 @@ class Supervisor:
             message += "\n\n" + note
         error = WorkerFailedError(message, root, outcomes, logs)
         if held is not None:
-            error.post_mortem = _prompts.PostMortem(held, self._lifeline, self.current.router)
+            error.post_mortem = _prompts.PostMortem(
+                held, self._lifeline, self.current.router, self._after_post_mortem()
+            )
             self._post_mortem_given = True
             _prompts.hook_debug_magic()
         return self._raise(error)
@@ -409,6 +411,10 @@ class Supervisor:
             w.stuck_view(w in live, frames.get(w.local_rank), self.counter_file(w))
             for w in self.current.workers
         ]
+
+    def _after_post_mortem(self) -> Callable[[], None] | None:
+        """What ends with the held rank's post-mortem, besides the rank and the lifeline."""
+        return None
 
     def _held_at_its_prompt(self) -> Rank | None:
         """The held rank once its debugger has asked for a command (within 2 s); a rank that

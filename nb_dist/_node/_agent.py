@@ -69,9 +69,6 @@ class NodeAgent:
 
     def __init__(self, method: str = "forkserver") -> None:
         self._niceness = _node_niceness()
-        _take_priority(self._niceness)  # this thread's imports, at the ranks' priority
-        import torch  # noqa: F401 - the forkserver preloads it (see _processes)
-
         if method == "forkserver":  # its imports overlap the launch's other preparations
             threading.Thread(target=_start_forkserver, args=(self._niceness,),
                              name="nb_dist-forkserver", daemon=True).start()  # fmt: skip
@@ -129,7 +126,7 @@ class NodeAgent:
             self._folder = tempfile.mkdtemp(prefix="nb_dist_node_", dir=_scratch_root())
             lifeline_reader, self._lifeline = multiprocessing.Pipe(duplex=False)
             gate_reader, gate_writer = multiprocessing.Pipe(duplex=False)
-            context = _processes.forkserver_context() if method == "forkserver" else None
+            context = _processes.forkserver_context(True) if method == "forkserver" else None
             try:
                 for spec in specs:
                     self._ranks.append(self._start_one(spec, method, context, lifeline_reader,
@@ -366,7 +363,7 @@ def _start_forkserver(niceness: int | None) -> None:
 
     _take_priority(niceness)
     with contextlib.suppress(Exception), _plain_main():
-        _processes.forkserver_context()
+        _processes.forkserver_context(True)
         forkserver.ensure_running()
 
 
