@@ -23,6 +23,11 @@ KERNEL_NAME = "nb-dist-test"
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
+def plain(text: str) -> str:
+    """``text`` without terminal colour codes (pdb's and IPython's change between releases)."""
+    return _ANSI.sub("", text)
+
+
 def start_kernel(
     workdir: Path, env: dict[str, str] | None = None
 ) -> tuple[KernelManager, BlockingKernelClient]:
