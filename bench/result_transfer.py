@@ -10,30 +10,30 @@ size, in interleaved rounds:
 - ``result path``: from ``time.monotonic()`` in rank 0 just before ``return`` to the moment the
   launcher returns in the kernel (same clock: CLOCK_MONOTONIC is system-wide on Linux). Its
   breakdown comes from two timing shims installed for the measurement, both calling the real
-  code unchanged: around ``nb_dist._rank._oneshot.dumps_result`` (serialise in the worker; it prints
-  its timestamps to the rank's stderr, read back from ``result.logs``) and around the
-  ``pickle.loads`` that ``nb_dist._kernel._supervisor`` calls (unpickle in the kernel). So: worker
+  code unchanged: around ``nb_dist._shared._values.dumps`` (serialise in the worker; it prints
+  its timestamps to the rank's stderr, read back from ``result.logs``) and around
+  ``_values.loads`` (unpickle in the kernel). So: worker
   teardown (stamp -> pickling starts), serialise, pipe transfer (pickling done -> the kernel
   holds all bytes), unpickle, and the launcher's end (reaping, closing pipes);
 - ``floor``: the same bytes through a plain ``os.pipe`` between two processes: a forked child
   builds the same state_dict, stamps, ``pickle.dumps`` it and writes it; the parent reads it
-  into one preallocated buffer and ``pickle.loads`` it. The least any process-based launcher
-  can do to return the value.
+  into one preallocated buffer and ``pickle.loads`` it: what a launcher that pickles the value
+  as ``pickle`` does pays.
 
 Every returned state_dict is compared with a fresh rebuild (same keys, dtypes, shapes,
 ``torch.equal`` values). The caller's peak RSS during each transfer is taken both from a
 psutil sampling thread (every 2 ms) and from the kernel's own high-water mark (``VmHWM``,
 reset before each launch through ``/proc/self/clear_refs``); it is reported above the RSS
-before the launch, in multiples of the payload. Expect about 3: the received value itself,
-the bytes it came in (alive while ``pickle.loads`` runs), and, inside ``pickle.loads``, one
-``bytes`` object per tensor storage (torch pickles a storage as a ``torch.save`` blob, and the
-unpickler's memo keeps each blob until it returns). The floor uses the same pickle format, so
-it shows the same 3; only a different tensor encoding (the storages as out-of-band buffers)
-would avoid the third copy.
+before the launch, in multiples of the payload. The floor shows about 3: the received value
+itself, the bytes it came in (alive while ``pickle.loads`` runs), and, inside
+``pickle.loads``, one ``bytes`` object per tensor storage (torch pickles a storage as a
+``torch.save`` blob, and the unpickler's memo keeps each blob until it returns).
 
-nb_dist's result path, for reference: the worker pickles the value (``dumps_result``), sends
-its size in a control message, then writes the raw bytes to the control pipe; the kernel reads
-them into one preallocated buffer and unpickles it.
+nb_dist's result path, for reference (``nb_dist/_shared/_values.py``): the worker pickles the
+value with its large tensors' bytes out of band (pickle 5), sends the sizes in a control
+message, then writes the small pickle and each tensor's bytes, straight from its memory, to
+the control pipe; the kernel reads each into its own preallocated buffer, which becomes the
+tensor's memory. Expect about 1x the payload in the kernel, and no serialise or unpickle copy.
 
 Run: ``python bench/result_transfer.py`` (about a minute on 2 cores; ``--quick``: 1 and
 100 MiB only, fewer rounds, about 20 s). Also runs the 100 MiB case inside a real ipykernel
@@ -112,50 +112,45 @@ def make_state(mib: int, send: bool) -> tuple[float, dict | None] | None:
 
 
 # --------------------------------------------------------------------------- timing shims
-class _TimedPickle:
-    """Stands in for the ``pickle`` module inside nb_dist._kernel._supervisor: times large loads."""
+class _TimedLoads:
+    """Times the kernel's ``_values.loads`` of a large value (its pickle and its buffers)."""
 
     def __init__(self, real: Any) -> None:
         self._real = real
         self.loads_log: list[tuple[float, float, int]] = []
 
-    def loads(self, data: Any, *args: Any, **kwargs: Any) -> Any:
-        if len(data) < 65536:
-            return self._real.loads(data, *args, **kwargs)
+    def __call__(self, data: Any, buffers: list[Any]) -> Any:
+        size = len(data) + sum(len(b) for b in buffers)
+        if size < 65536:
+            return self._real(data, buffers)
         began = time.monotonic()
-        value = self._real.loads(data, *args, **kwargs)
-        self.loads_log.append((began, time.monotonic(), len(data)))
+        value = self._real(data, buffers)
+        self.loads_log.append((began, time.monotonic(), size))
         return value
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._real, name)
 
 
 @contextlib.contextmanager
 def timing_shims() -> Any:
     """Wrap nb_dist's serialise (worker) and unpickle (kernel) steps with timestamps."""
-    import nb_dist._kernel._supervisor as supervisor
-    import nb_dist._rank._oneshot as worker
+    from nb_dist._shared import _values
 
-    original_dumps = worker.dumps_result
-    original_pickle = supervisor.pickle
+    original_dumps, original_loads = _values.dumps, _values.loads
 
-    def timed_dumps(value: Any) -> bytes:
+    def timed_dumps(value: Any) -> tuple[bytes, list[memoryview]]:
         began = time.monotonic()
-        data = original_dumps(value)
+        data, buffers = original_dumps(value)
         ended = time.monotonic()
-        if len(data) >= 65536:
-            print(f"{DUMPS_TAG} {began:.6f} {ended:.6f} {len(data)}", file=sys.stderr, flush=True)
-        return data
+        size = len(data) + sum(b.nbytes for b in buffers)
+        if size >= 65536:
+            print(f"{DUMPS_TAG} {began:.6f} {ended:.6f} {size}", file=sys.stderr, flush=True)
+        return data, buffers
 
-    shim = _TimedPickle(original_pickle)
-    worker.dumps_result = timed_dumps
-    supervisor.pickle = shim
+    shim = _TimedLoads(original_loads)
+    _values.dumps, _values.loads = timed_dumps, shim  # type: ignore[assignment]
     try:
         yield shim
     finally:
-        worker.dumps_result = original_dumps
-        supervisor.pickle = original_pickle
+        _values.dumps, _values.loads = original_dumps, original_loads
 
 
 # --------------------------------------------------------------------------- memory
@@ -213,7 +208,7 @@ class PeakRSS:
 
 
 # --------------------------------------------------------------------------- one measurement
-def nb_dist_once(mib: int, send: bool, shim: _TimedPickle) -> dict[str, Any]:
+def nb_dist_once(mib: int, send: bool, shim: _TimedLoads) -> dict[str, Any]:
     """One 2-rank launch returning the state_dict (``send``) or None in its place."""
     import nb_dist
 

@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import pickle
 import signal
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from .._shared import _collectives, _protocol
+from .._shared import _collectives, _protocol, _values
 from .._shared._reporting import ReportEntry, Reports
 from ._diagnosis import Frame, RendezvousView, StuckRank, ended_without_value
 from ._errors import RankOutcome, RankStatus
@@ -187,13 +186,14 @@ class Rank:
     def _read_value(self, result: _protocol.Result) -> bool:
         try:
             data = _protocol.read_raw(self.pipes["control"], result.size)
+            buffers = [_protocol.read_raw(self.pipes["control"], n) for n in result.buffers]
         except (EOFError, OSError):
             # The worker died while sending its value (e.g. the OOM killer): its exit status
             # tells the user what happened, not a bare EOFError from the loop.
             self.control_closed_at = time.monotonic()
             return False
         try:
-            self.value = pickle.loads(data)
+            self.value = _values.loads(data, buffers)
             self.result = result
         except Exception as exc:
             self.failure = _protocol.Failed(

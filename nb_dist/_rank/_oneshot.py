@@ -11,8 +11,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import io
-import pickle
 import sys
 import time
 import traceback
@@ -20,7 +18,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from .._shared import _protocol, _shipping
+from .._shared import _protocol, _shipping, _values
 from .._shared._frames import from_user_code
 from .._shared._imports import worth_importing
 from .._shared._reporting import _Sink
@@ -65,14 +63,20 @@ def run(
     _report_imports(control, kernel_modules)
     flush_all()
     try:
-        data = dumps_result(value)
+        data, buffers = _values.dumps(value)
     except Exception as exc:
         _protocol.send(control, unpicklable(value, exc, spec.rank))
         return 1
-    # The size, then the raw bytes (see _protocol.Result).
-    _protocol.send(control, _protocol.Result(time.monotonic() - started, len(data)))
-    _protocol.write_raw(control, data)
+    # The sizes, then the raw bytes (see _protocol.Result).
+    _protocol.send(control, result(started, data, buffers))
+    _protocol.write_raw(control, data, buffers)
     return 0
+
+
+def result(started: float, data: bytes, buffers: list[memoryview]) -> _protocol.Result:
+    """The :class:`~_protocol.Result` that announces a value's pickle and buffers."""
+    sizes = tuple(buffer.nbytes for buffer in buffers)
+    return _protocol.Result(time.monotonic() - started, len(data), sizes)
 
 
 def unpicklable(value: Any, exc: Exception, rank: int) -> _protocol.Failed:
@@ -135,22 +139,6 @@ def _report_imports(control: Connection, kernel_modules: set[str] | None) -> Non
     if names:
         with contextlib.suppress(OSError, EOFError):
             _protocol.send(control, _protocol.Imports(tuple(names)))
-
-
-class _CPUPickler(pickle.Pickler):
-    """Pickler that moves accelerator tensors to CPU, so the kernel never unpickles CUDA data."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        torch = sys.modules.get("torch")
-        if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
-            return obj.detach().cpu().__reduce_ex__(pickle.HIGHEST_PROTOCOL)
-        return NotImplemented
-
-
-def dumps_result(value: Any) -> bytes:
-    buffer = io.BytesIO()
-    _CPUPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
-    return buffer.getvalue()
 
 
 def flush_all() -> None:

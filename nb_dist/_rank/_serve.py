@@ -25,10 +25,10 @@ import types
 from collections.abc import Callable
 from typing import Any
 
-from .._shared import _collectives, _protocol, _shipping
+from .._shared import _collectives, _protocol, _shipping, _values
 from .._shared._reporting import _Sink
 from . import _debug
-from ._oneshot import destroy_process_group, dumps_result, failure, flush_all, unpicklable
+from ._oneshot import destroy_process_group, failure, flush_all, result, unpicklable
 from ._spec import WorkerChannels, WorkerSpec
 
 
@@ -118,14 +118,16 @@ def _run_task(
         _debug.after_failure(exc, sink.send)
         return
     try:
-        data = dumps_result(value)
+        data, buffers = _values.dumps(value)
     except Exception as exc:
         if not isinstance(command, _protocol.Execute):
             sink.send(unpicklable(value, exc, spec.rank))
             return
         # A cell's last expression is shown, not used: its repr is enough (as IPython shows).
-        data = dumps_result(_protocol.Shown(_protocol.type_name(value), _safe_repr(value)))
-    sink.send(_protocol.Result(time.monotonic() - started, len(data)), raw=data)
+        data, buffers = _values.dumps(
+            _protocol.Shown(_protocol.type_name(value), _safe_repr(value))
+        )
+    sink.send(result(started, data, buffers), raw=(data, buffers))
 
 
 def _safe_repr(value: Any) -> str:

@@ -20,8 +20,8 @@ message              sent by the worker                          what the kernel
 :class:`Returned`    the function returned (before teardown)     tells teardown from a hang
 :class:`Imports`     modules it imported that the kernel lacks   warm relaunches (_warm.py)
 :class:`Failed`      the function raised (or its value is bad)   the rank's failure record
-:class:`Result`      the value's size, **then that many raw      reads the bytes into one
-                     bytes** on the same pipe, unframed          buffer, unpickles the value
+:class:`Result`      the value's sizes, **then that many raw     reads the bytes into
+                     bytes** on the same pipe, unframed          buffers, unpickles the value
 :class:`Idle`        a live rank finished a task (or its start)  the task ended on that rank
 :class:`DebugPrompt` a rank's debugger waits for a command       asks the notebook for a line
 ===================  ==========================================  =============================
@@ -31,8 +31,9 @@ sends one :data:`Command` per task (:class:`Call`, :class:`Execute`, :class:`Pul
 :class:`Push`) and answers a :class:`DebugPrompt` with a :class:`DebugInput`; the rank ends its
 task with :class:`Result` or :class:`Failed`, then :class:`Idle`. Closing the pipe ends the rank.
 
-The raw bytes after :class:`Result` are the only unframed data: a large ``state_dict`` is read
-straight into one preallocated buffer, about twice as fast as ``recv_bytes``' chunked reads.
+The raw bytes after :class:`Result` are the only unframed data: the value's pickle, then the
+bytes of its large tensors (``_values.py``), each read straight into one preallocated buffer
+(about twice as fast as ``recv_bytes``' chunked reads), where the tensor then lives.
 
 Report values are pickled one by one in the worker (:class:`ReportValue`), so one value the
 kernel cannot unpickle (an instance of a class defined only in the rank) is reported by name
@@ -45,6 +46,7 @@ import os
 import pickle
 import threading
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
@@ -132,7 +134,9 @@ class Failed:
 @dataclass(frozen=True)
 class Result:
     duration: float
-    size: int  # this many raw bytes follow on the pipe
+    size: int  # this many raw bytes (the value's pickle) follow on the pipe
+    #: then one raw buffer of each of these sizes (large tensors' bytes, ``_values.py``)
+    buffers: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -300,13 +304,16 @@ def type_name(obj: object) -> str:
     return f"{module}.{cls.__qualname__}"
 
 
-def write_raw(control: Connection, data: bytes) -> None:
-    """Write ``data`` unframed after a :class:`Result` that announced its size."""
-    view = memoryview(data)
+def write_raw(control: Connection, data: bytes, buffers: Sequence[memoryview] = ()) -> None:
+    """Write ``data``, then each of ``buffers``, unframed after a :class:`Result` that
+    announced their sizes."""
     _sending.depth += 1
     try:
-        while view:
-            view = view[os.write(control.fileno(), view) :]
+        parts: list[bytes | memoryview] = [data, *buffers]
+        for part in parts:
+            view = memoryview(part).cast("B")
+            while view:
+                view = view[os.write(control.fileno(), view) :]
     finally:
         _sending.depth -= 1
 

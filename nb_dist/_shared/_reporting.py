@@ -18,7 +18,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 from . import _protocol
@@ -128,16 +128,21 @@ class _Sink:
             if len(self._buffer) >= _MAX_BATCH:
                 self._flush_locked()
 
-    def send(self, message: _protocol.Message, raw: bytes | None = None) -> None:
+    def send(
+        self,
+        message: _protocol.Message,
+        raw: tuple[bytes, Sequence[memoryview]] | None = None,
+    ) -> None:
         """Send a control message after everything reported so far (keeps the order), and
-        the raw bytes a :class:`~_protocol.Result` announces, with no frame in between."""
+        the raw bytes a :class:`~_protocol.Result` announces (its pickle and its buffers),
+        with no frame in between."""
         if self._closed.is_set():
             return  # see add()
         with self._lock:
             self._flush_locked()
             _protocol.send(self._control, message)
             if raw is not None:
-                _protocol.write_raw(self._control, raw)
+                _protocol.write_raw(self._control, *raw)
 
     def flush(self) -> None:
         with self._lock:

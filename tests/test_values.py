@@ -1,0 +1,125 @@
+"""A rank's value on its way to the kernel (``nb_dist._shared._values``): large plain tensors
+cross as raw out-of-band buffers, everything else as ``pickle`` always pickles it, and either
+way the value that arrives means what the rank returned."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+from nb_dist import notebook_launcher
+from nb_dist._shared import _values
+
+BIG = _values.OUT_OF_BAND  # bytes: the smallest tensor that crosses out of band
+
+
+def _through(value):
+    """``value`` as the kernel gets it: dumped, its buffers copied as the pipe would, loaded."""
+    data, buffers = _values.dumps(value)
+    return _values.loads(data, [bytearray(b) for b in buffers]), buffers
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert type(a) is type(b)
+    assert a.dtype == b.dtype and a.shape == b.shape and a.requires_grad == b.requires_grad
+    assert torch.equal(a.detach(), b.detach())
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int8, torch.int64,
+     torch.bool, torch.complex64, torch.uint8],
+)  # fmt: skip
+def test_a_large_tensor_of_any_dtype_crosses_out_of_band_and_arrives_equal(dtype):
+    source = (torch.arange(BIG, dtype=torch.float64) % 7).to(dtype).reshape(-1, 8)
+    back, buffers = _through({"w": source})
+    assert [b.nbytes for b in buffers] == [source.nbytes]
+    _same(back["w"], source)
+    assert back["w"].data_ptr() != source.data_ptr()  # the kernel's own memory
+    back["w"].view(torch.uint8).view(-1)[0] = 1  # and writable
+
+
+def test_a_parameter_keeps_its_type_and_its_requires_grad():
+    weight = torch.nn.Parameter(torch.randn(BIG // 4))
+    frozen = torch.nn.Parameter(torch.randn(BIG // 4), requires_grad=False)
+    leaf = torch.randn(BIG // 4).requires_grad_()
+    back, buffers = _through([weight, frozen, leaf])
+    assert len(buffers) == 3
+    for got, sent in zip(back, [weight, frozen, leaf], strict=True):
+        _same(got, sent)
+
+
+def test_a_module_state_dict_arrives_equal():
+    model = torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8))
+    state = model.state_dict()
+    back, buffers = _through(state)
+    assert len(buffers) == 1  # only the 128x256 weight is large; biases go in band
+    assert list(back) == list(state)
+    for key in state:
+        _same(back[key], state[key])
+    torch.nn.Sequential(torch.nn.Linear(128, 256), torch.nn.ReLU(), torch.nn.Linear(256, 8)
+                        ).load_state_dict(back)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda: torch.zeros(4), id="small"),
+        pytest.param(lambda: torch.zeros(0), id="empty"),
+        pytest.param(lambda: torch.arange(2.0 * BIG).reshape(-1, 4).t(), id="transposed"),
+        pytest.param(lambda: torch.arange(2.0 * BIG)[::2], id="strided-view"),
+        pytest.param(lambda: torch.randn(BIG, requires_grad=True) * 2, id="non-leaf"),
+        pytest.param(lambda: (1j * torch.randn(BIG // 8, dtype=torch.complex64)).conj(), id="conj"),
+        pytest.param(lambda: torch.randn(BIG).to_sparse(), id="sparse"),
+    ],
+)
+def test_other_tensors_are_pickled_as_pickle_does_and_keep_their_meaning(make):
+    source = make()
+    expected = pickle.loads(pickle.dumps(source))  # what plain pickle gives
+    back, buffers = _through(source)
+    if source.layout == torch.strided:  # (a sparse tensor's inner tensors may go out of band)
+        assert buffers == []
+    assert type(back) is type(expected) and back.layout == expected.layout
+    assert back.dtype == expected.dtype and back.shape == expected.shape
+    assert back.requires_grad == expected.requires_grad
+    if source.layout == torch.strided:
+        assert back.stride() == expected.stride()
+    assert torch.equal(back.detach().to_dense(), source.detach().to_dense())
+
+
+def test_plain_objects_and_numpy_arrays_round_trip():
+    numpy = pytest.importorskip("numpy")
+    value = {"step": 3, "name": "run", "curve": [0.5, 0.25], "array": numpy.arange(BIG)}
+    back, buffers = _through(value)
+    assert len(buffers) == 1  # numpy's own pickle-5 support
+    assert back["step"] == 3 and back["curve"] == [0.5, 0.25]
+    assert (back["array"] == value["array"]).all()
+
+
+def _rank_returns_tensors():
+    import torch
+
+    import nb_dist
+
+    rank = nb_dist.rank()
+    return {
+        "bf16": torch.full((256, 512), rank + 0.5, dtype=torch.bfloat16),
+        "param": torch.nn.Parameter(torch.arange(BIG, dtype=torch.float32)),
+        "view": torch.arange(4 * BIG, dtype=torch.int32)[::4],
+        "small": torch.tensor([rank]),
+    }
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_ranks_return_tensors_of_every_kind_through_a_real_launch(method):
+    result = notebook_launcher(_rank_returns_tensors, num_processes=2, start_method=method)
+    for rank, state in enumerate(result):
+        assert state["bf16"].dtype == torch.bfloat16
+        assert torch.equal(state["bf16"], torch.full((256, 512), rank + 0.5, dtype=torch.bfloat16))
+        assert isinstance(state["param"], torch.nn.Parameter) and state["param"].requires_grad
+        assert torch.equal(state["param"].detach(), torch.arange(BIG, dtype=torch.float32))
+        assert torch.equal(state["view"], torch.arange(4 * BIG, dtype=torch.int32)[::4])
+        assert state["small"].tolist() == [rank]
