@@ -110,6 +110,15 @@ def _cuda_nested():
     }
 
 
+def _cuda_state_dict():
+    import torch
+
+    model = torch.nn.Linear(1024, 1024).cuda()  # a 4 MiB weight: crosses out of band
+    with torch.no_grad():
+        model.weight.fill_(0.25)
+    return {"state": model.state_dict(), "weight": model.weight, "half": model.weight.half()}
+
+
 def _cuda_report():
     import torch
 
@@ -365,6 +374,24 @@ def s_result_cuda_nested_module():
     # a second launch still forks safely
     again = nb_dist.notebook_launcher(_count_devices, num_processes=1)
     return {"value": desc, "parent_cuda_initialized": init, "launch_after": list(again)}
+
+
+def s_result_large_cuda_state_dict():
+    _need_gpu()
+    import torch
+
+    import nb_dist
+
+    out = nb_dist.notebook_launcher(_cuda_state_dict, num_processes=1)
+    init = _cuda_initialized()
+    value = out[0]
+    weight, half = value["weight"], value["half"]
+    assert not init, "unpickling the result initialized CUDA in the parent"
+    assert value["state"]["weight"].device.type == "cpu", _describe(value)
+    assert torch.equal(value["state"]["weight"], torch.full((1024, 1024), 0.25)), "weight"
+    assert isinstance(weight, torch.nn.Parameter) and weight.requires_grad, type(weight)
+    assert half.dtype == torch.float16 and half.device.type == "cpu", half
+    return {"value": _describe(value), "parent_cuda_initialized": init}
 
 
 def s_report_cuda_tensor():

@@ -46,6 +46,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "nb_dist._node": (
         "nb_dist._shared",
         "nb_dist._rank._spec",
+        "nb_dist._rank._regroup",  # the node's ranks' socket addresses, to free a blocked one
         "nb_dist._kernel._processes",  # the node's ranks start as the kernel's local ones do
     ),
     "nb_dist.views": (),

@@ -7,9 +7,11 @@ ends a local worker would hold stay here. :class:`Forwarder` long-polls every no
 (raw bytes keep the control pipe's framing, so the kernel's parsing is unchanged), copies
 each rank's collective counter into the kernel's mirror file, and records exit codes; a
 second thread reads the ``commands`` pipes (kernel → rank) and sends what it reads to the
-agent, in order. :class:`RemoteProcess` is a rank's process for the supervisor: its exit code
-as the agent reported it, signals and kills through the agent. An agent that dies (its node
-was lost) ends its ranks here, each with the reason as its failure.
+agents: to each agent in order, to different agents at once (a live cell's command reaches
+every node in one round trip, not one per node). :class:`RemoteProcess` is a rank's process
+for the supervisor: its exit code as the agent reported it, signals and kills through the
+agent. An agent that dies (its node was lost) ends its ranks here, each with the reason as
+its failure.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class AgentLink:
         self._lock = threading.Lock()
         self.lost: str | None = None
         self.lost_at: float | None = None
+        self._sent: Any = None  # the last send_in_order call's reference
 
     def add_rank(self, position: int, theirs: dict[str, Connection], mirror: str | None) -> None:
         """Rank ``position`` of this agent: the worker's ends of its local pipes."""
@@ -77,6 +80,26 @@ class AgentLink:
                 self.lose(_reason(exc))
                 return None
             raise
+
+    def send_in_order(self, method: str, *args: Any) -> None:
+        """Call the agent without waiting for its answer, once its previous such call has
+        ended (a threaded actor may run two calls at once, in either order): commands to
+        different agents travel at once, those to one agent in the order they were sent."""
+        self.settle()
+        if self.lost is None:
+            self._sent = getattr(self.actor, method).remote(self.run, *args)
+
+    def settle(self) -> None:
+        """Wait for the last :meth:`send_in_order` call to end (a gone agent is lost)."""
+        sent, self._sent = self._sent, None
+        if sent is None or self.lost is not None:
+            return
+        try:
+            self.ray.get(sent, timeout=CALL_LIMIT)
+        except Exception as exc:
+            if not _is_gone(self.ray, exc):
+                raise
+            self.lose(_reason(exc))
 
     def exit_code(self, position: int) -> int | None:
         with self._lock:
@@ -237,12 +260,14 @@ class Forwarder:
                     except OSError:
                         data = b""
                     if data:
-                        link.call("write", position, data)
+                        link.send_in_order("write", position, data)
                     else:
                         selector.unregister(conn.fileno())
-                        link.call("close_commands", position)
+                        link.send_in_order("close_commands", position)
         finally:
             selector.close()
+            for link in self.links:
+                link.settle()
 
 
 def _write_all(writer: Connection, data: Any) -> bool:

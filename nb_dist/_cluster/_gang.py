@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -72,6 +73,21 @@ def layout(node_ids: Sequence[str], counts: Sequence[int]) -> Layout:
                   len(nodes))  # fmt: skip
 
 
+def clock_offset(ask: Callable[[], float], tries: int = 3) -> float:
+    """``kernel clock - node clock``: ``ask()`` reads the node's ``time.monotonic()``; of
+    ``tries`` round trips the shortest is used, its middle taken as the moment of the reading
+    (wrong by at most half that round trip, about a millisecond on one network)."""
+    best: tuple[float, float] | None = None
+    for _ in range(tries):
+        sent = time.monotonic()
+        theirs = ask()
+        back = time.monotonic()
+        if best is None or back - sent < best[0]:
+            best = (back - sent, (sent + back) / 2 - theirs)
+    assert best is not None
+    return best[1]
+
+
 class Gang:
     """A placement group and its agents, one per bundle."""
 
@@ -81,7 +97,7 @@ class Gang:
     ) -> None:  # fmt: skip
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from .._node._agent import NodeAgent
+        from .._node._boot import agent_class
 
         self.ray = ray
         self.threads_per_rank = max(1, int(per_rank.get("CPU", 1)))
@@ -93,7 +109,7 @@ class Gang:
         self.group: Any = _placement.reserve(ray, asked, strategy, timeout)
         self.agents: list[Any] = []
         try:
-            remote = ray.remote(NodeAgent)
+            remote = ray.remote(agent_class())
             for index, bundle in enumerate(asked):
                 custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
                 self.agents.append(
@@ -116,7 +132,13 @@ class Gang:
                 ) from None
             raise
         self.nodes = [Node(*where) for where in found]
+        #: Per agent: what to add to a time on its node's monotonic clock (a rank's message
+        #: stamps) to put it on this process's (``_protocol.on_kernel_clock``).
+        self.clock_offsets = [clock_offset(self._clock_of(actor)) for actor in self.agents]
         self.layout = layout([n.node_id for n in self.nodes], self.counts)
+
+    def _clock_of(self, actor: Any) -> Callable[[], float]:
+        return lambda: float(self.ray.get(actor.clock.remote(), timeout=CALL_LIMIT))
 
     def describe(self) -> str:
         """``"2 nodes (node 0: 10.0.0.1 (ab12cd34), ...)"``."""

@@ -242,9 +242,10 @@ class ClusterSupervisor(Supervisor):
             self._forwarder, processes = self._gang.start(
                 plan.start_method, specs, theirs, mirrors, self._on_lost
             )
-            for worker, process in zip(self.workers, processes, strict=True):
+            for rank, (worker, process) in enumerate(zip(self.workers, processes, strict=True)):
                 worker.process = process
                 worker.outcome.pid = process.pid
+                worker.clock_offset = self._gang.clock_offsets[lay.agent[rank]]
         except BaseException:
             for ends in theirs:
                 for conn in ends.values():

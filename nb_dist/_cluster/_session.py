@@ -34,6 +34,15 @@ class ClusterSession(ClusterSupervisor, SessionSupervisor):
         self._folder = folder
         gang.session = self  # its agents run no launch until this session closes
 
+    def _rank_endpoints(self) -> list[tuple[str, int]]:
+        """Every rank's TCP socket addresses, read by each node's agent (the ranks run
+        there): what idle ranks drop their connections to, to free a blocked one."""
+        links = self._forwarder.links if self._forwarder is not None else []
+        found: set[tuple[str, int]] = set()
+        for link in links:
+            found.update((str(ip), int(port)) for ip, port in link.call("endpoints") or [])
+        return sorted(found)
+
     def _close(self) -> None:
         try:
             super()._close()

@@ -55,6 +55,9 @@ class Rank:
         self.result: _protocol.Result | None = None  # set once the value has arrived
         self.failure: _protocol.Failed | None = None
         self.rendezvous = Rendezvous()
+        #: Added to the times the rank stamps (its machine's monotonic clock): 0 on this
+        #: machine, the node's measured offset for a rank on a cluster node.
+        self.clock_offset = 0.0
         self.returncode: int | None = None
         self.exited_at: float | None = None
         self.control_closed_at: float | None = None
@@ -179,6 +182,7 @@ class Rank:
         except (EOFError, OSError):
             self.control_closed_at = time.monotonic()
             return None
+        message = _protocol.on_kernel_clock(message, self.clock_offset)
         if isinstance(message, _protocol.Result) and not self._read_value(message):
             return None
         return message

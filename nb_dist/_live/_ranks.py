@@ -82,8 +82,8 @@ class Ranks:
         debug: ``"postmortem"``: a rank that fails opens pdb at its exception, in the
             failing cell, driven from the notebook.
         cluster: the ranks on a cluster's nodes (``nb_dist.RayCluster(...)``), each cell's
-            output, values and errors as on this machine. A rank blocked in a collective
-            is not freed there: the session is restarted with fresh ranks (state lost).
+            output, values and errors as on this machine; a rank blocked in a collective
+            is freed in place there too (each node's agent reads its ranks' sockets).
     """
 
     def __init__(

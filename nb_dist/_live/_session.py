@@ -267,10 +267,6 @@ class SessionSupervisor(Supervisor):
         Whether that worked (every rank idle, with a fresh group, its namespace kept)."""
         if self.config.debug is not None or not stuck or self.lost is not None:
             return False  # a post-mortem would open on the freed rank's connection error
-        if self.config.cluster is not None:
-            # Dropping connections finds the peers' sockets by their processes, on this
-            # machine; a cluster's ranks are on other machines. Stopped, as with NCCL.
-            return False
         if self.config.backend != "gloo":
             # NCCL's collectives wait on the GPU, not on a socket the idle ranks could shut;
             # torch's abort would have to run inside the blocked rank. Stopped, as before.
@@ -278,7 +274,7 @@ class SessionSupervisor(Supervisor):
         # The calls below are not the cell's work: its live view (which knows only the cell's
         # ranks) does not hear of them; it is closed with the cell's error.
         self.current.observer = None
-        pids = [w.process.pid for w in self.workers if w.process is not None]
+        peers = self._rank_endpoints()
         dropped: set[int] = set()
         deadline = time.monotonic() + RELEASE_LIMIT
         while True:
@@ -291,7 +287,7 @@ class SessionSupervisor(Supervisor):
             if not fresh or time.monotonic() >= deadline:
                 return False
             dropped.update(w.local_rank for w in fresh)
-            if self._call(fresh, _regroup.drop_connections, pids, limit=2.0):
+            if self._call(fresh, _regroup.drop_connections, peers, limit=2.0):
                 return False
             self._read_until(
                 lambda waiting=waiting: all(_idle(w) for w in waiting),  # type: ignore[misc]
@@ -303,6 +299,11 @@ class SessionSupervisor(Supervisor):
             limit=REGROUP_LIMIT + 5.0,
         )  # fmt: skip
         return not failed and all(w.alive for w in self.workers)
+
+    def _rank_endpoints(self) -> list[tuple[str, int]]:
+        """Every rank's TCP socket addresses (read here: the ranks are this machine's)."""
+        pids = [w.process.pid for w in self.workers if w.process is not None]
+        return _regroup.endpoints(pids)
 
     def _free_or_stop(self, stuck: list[Rank], freed: str, lost: str) -> bool:
         """Free ``stuck`` ranks (:meth:`_release`), the cell's closing note saying so

@@ -34,6 +34,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from .._kernel import _processes
+from .._rank import _regroup
 from .._rank._spec import WorkerChannels, WorkerSpec
 from .._shared import _collectives
 from .._shared._protocol import COLLECTIVES_ENV
@@ -98,6 +99,10 @@ class NodeAgent:
             _interface_of(address),
             len(os.sched_getaffinity(0)),
         )
+
+    def clock(self) -> float:
+        """This node's ``time.monotonic()``, which its ranks stamp their messages with."""
+        return time.monotonic()
 
     def open_store(self, address: str, world_size: int) -> int:
         """Host the launch's rendezvous store (torch's TCPStore) here; its port (from the OS)."""
@@ -231,6 +236,12 @@ class NodeAgent:
         except ProcessLookupError:
             return False
         return True
+
+    def endpoints(self, run: int) -> list[tuple[str, int]]:
+        """The TCP socket addresses of run ``run``'s ranks here, for idle ranks elsewhere to
+        drop their connections to (freeing a rank blocked in a collective, ``_regroup.py``)."""
+        ranks = list(self._ranks) if run == self._run else []
+        return _regroup.endpoints(local.process.pid for local in ranks)
 
     def kill_and_reap(self, run: int, index: int) -> int:
         """SIGKILL the rank's group and reap it; its exit code."""

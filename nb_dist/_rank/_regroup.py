@@ -1,18 +1,22 @@
-"""Runs in a live rank: free ranks blocked in a collective, then form the default group again.
+"""Free live ranks blocked in a collective, then form the default group again.
 
 A rank blocked inside a gloo collective runs no Python and ignores interrupts, and torch's
 ``ProcessGroup.abort()`` does not wake a pending gloo collective (torch 2.13). What does is the
 other side of its connections going away: a collective whose peer closed fails at once with
 "Connection closed by peer", as in a launch when a rank exits. So a rank that is idle (it
-finished the cell) shuts down its own TCP connections to the other ranks' processes
-(:func:`drop_connections`): the blocked ranks' collectives raise, their cells end, and every
-rank keeps its Python state. Then every rank forms the default process group again on a fresh
-key prefix of the kernel's store (:func:`regroup`); the old group objects stay referenced
-(``_groups.py``) and are never used again. Objects bound to the old group (a
-``DistributedDataParallel`` model, subgroups from ``new_group``) must be built again; plain
-tensors, models, optimizers and samplers are untouched.
+finished the cell) shuts down its own TCP connections to the other ranks' sockets
+(:func:`drop_connections`; their addresses read where the ranks run, :func:`endpoints`: by
+the kernel on one machine, by each node's agent on a cluster): the blocked ranks'
+collectives raise, their cells end, and every rank keeps its Python state. Then every rank
+forms the default process group again on a fresh key prefix of the launch's store
+(:func:`regroup`); the old group objects stay referenced (``_groups.py``) and are never used
+again. Objects bound to the old group (a ``DistributedDataParallel`` model, subgroups from
+``new_group``) must be built again; plain tensors, models, optimizers and samplers are
+untouched.
 
-Both run as the functions of ordinary live-rank calls, sent by ``_live/_session.py``.
+:func:`endpoints` runs where the ranks run (the kernel, or a node's agent);
+:func:`drop_connections` and :func:`regroup` run in the ranks, as ordinary live-rank calls
+sent by ``_live/_session.py``.
 """
 
 from __future__ import annotations
@@ -20,29 +24,39 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+from collections.abc import Iterable
 from datetime import timedelta
 
 from .._shared import _collectives
 
 
-def drop_connections(rank_pids: list[int]) -> int:
-    """Shut down this process's TCP connections to the other processes of ``rank_pids`` (the
-    session's ranks: their process groups' sockets, never the kernel's store); how many."""
+def endpoints(pids: Iterable[int]) -> list[tuple[str, int]]:
+    """The local addresses of every TCP socket of the processes ``pids`` (ranks on this
+    machine: their process groups' connections and listening sockets). Run where those
+    processes are: the kernel for its own ranks, a node's agent for the ranks on its node."""
     import psutil
 
-    peers: set[tuple[str, int]] = set()
-    for pid in rank_pids:
-        if pid == os.getpid():
-            continue
+    found: set[tuple[str, int]] = set()
+    for pid in pids:
         with contextlib.suppress(psutil.Error):
-            peers.update(
-                (c.laddr.ip, c.laddr.port)
-                for c in psutil.Process(pid).net_connections("tcp")
+            found.update(
+                (c.laddr.ip, c.laddr.port) for c in psutil.Process(pid).net_connections("tcp")
                 if c.laddr
-            )
+            )  # fmt: skip
+    return sorted(found)
+
+
+def drop_connections(peers: Iterable[tuple[str, int]]) -> int:
+    """Shut down this process's TCP connections to ``peers`` (the session's ranks' socket
+    addresses, :func:`endpoints`: their process groups' sockets, never the kernel's store);
+    how many."""
+    import psutil
+
+    own = set(endpoints([os.getpid()]))
+    wanted = {(ip, port) for ip, port in peers} - own
     dropped = 0
     for conn in psutil.Process().net_connections("tcp"):
-        if conn.fd < 0 or not conn.raddr or (conn.raddr.ip, conn.raddr.port) not in peers:
+        if conn.fd < 0 or not conn.raddr or (conn.raddr.ip, conn.raddr.port) not in wanted:
             continue
         with contextlib.suppress(OSError):
             # A duplicate of the descriptor: shutdown() acts on the connection itself, which

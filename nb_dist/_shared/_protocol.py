@@ -42,6 +42,7 @@ and type while every other value of the batch arrives.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import threading
@@ -279,6 +280,22 @@ def decode(data: bytes) -> Message:
 
 _MESSAGE_TYPES = typing.get_args(Message)  # the classes of the union, listed once
 _COMMAND_TYPES = typing.get_args(Command)
+
+
+def on_kernel_clock(message: Message, offset: float) -> Message:
+    """``message`` with its times (``time.monotonic()`` in the rank) moved by ``offset`` s.
+
+    A rank on another machine stamps its messages with that machine's monotonic clock, which
+    counts from a different moment than the kernel's: the kernel adds the node's measured
+    offset, so "who failed first" compares times on one clock."""
+    if not offset:
+        return message
+    match message:
+        case Reports(values=values):
+            return Reports(tuple(dataclasses.replace(v, at=v.at + offset) for v in values))
+        case Hello() | Rendezvous() | Returned() | Failed():
+            return dataclasses.replace(message, at=message.at + offset)
+    return message
 
 
 def decode_command(data: bytes) -> Command:

@@ -33,7 +33,10 @@ class _RankPickler(pickle.Pickler):
         if torch is None or not isinstance(obj, torch.Tensor):
             return NotImplemented
         if obj.device.type not in ("cpu", "meta"):
-            obj = obj.detach().cpu()
+            moved = obj.detach().cpu()
+            if isinstance(obj, torch.nn.Parameter):  # a module's parameters stay parameters
+                moved = torch.nn.Parameter(moved, requires_grad=obj.requires_grad)
+            obj = moved
             if obj.nbytes < OUT_OF_BAND:
                 return obj.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
         reduced = _out_of_band(torch, obj)
