@@ -123,3 +123,55 @@ def test_ranks_return_tensors_of_every_kind_through_a_real_launch(method):
         assert torch.equal(state["param"].detach(), torch.arange(BIG, dtype=torch.float32))
         assert torch.equal(state["view"], torch.arange(4 * BIG, dtype=torch.int32)[::4])
         assert state["small"].tolist() == [rank]
+
+
+def test_a_result_its_bytes_and_the_idle_cross_one_pipe_in_order():
+    """``send_result`` frames as ``Connection.send_bytes`` does and resumes partial writes:
+    a value larger than the pipe arrives whole, then the message after it."""
+    import multiprocessing
+    import threading
+
+    from nb_dist._shared import _protocol
+
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    value = {"w": torch.arange(3 * 2**20 // 4, dtype=torch.float32)}  # 3 MiB: several writes
+    data, buffers = _values.dumps(value)
+    result = _protocol.Result(0.5, len(data), tuple(b.nbytes for b in buffers))
+    sender = threading.Thread(
+        target=_protocol.send_result,
+        args=(writer, result, data, buffers, _protocol.Idle(1, 0)),
+    )
+    sender.start()
+    try:
+        assert _protocol.decode(reader.recv_bytes()) == result
+        got = _protocol.read_raw(reader, result.size)
+        parts = [_protocol.read_raw(reader, n) for n in result.buffers]
+        assert torch.equal(_values.loads(got, parts)["w"], value["w"])
+        assert _protocol.decode(reader.recv_bytes()) == _protocol.Idle(1, 0)
+    finally:
+        sender.join()
+        reader.close()
+        writer.close()
+
+
+def test_a_small_value_and_the_idle_after_it_arrive_in_one_read():
+    # A node's agent forwards each read at once; had the Idle come in a later read, a live
+    # cell on a cluster would have waited one more long poll for its end. A packet-mode pipe
+    # (O_DIRECT) keeps each write a packet of its own, and a read returns one packet.
+    import os
+    from multiprocessing.connection import Connection
+
+    from nb_dist._shared import _protocol
+
+    read_fd, write_fd = os.pipe2(os.O_DIRECT)
+    writer = Connection(write_fd, readable=False)
+    try:
+        data, buffers = _values.dumps(None)
+        result = _protocol.Result(0.1, len(data))
+        _protocol.send_result(writer, result, data, buffers, _protocol.Idle(3, 2))
+        first = os.read(read_fd, 1 << 16)
+        expected = _protocol._frame(result) + data + _protocol._frame(_protocol.Idle(3, 2))
+        assert first == expected  # the whole of it, in the first read
+    finally:
+        writer.close()
+        os.close(read_fd)

@@ -230,6 +230,9 @@ class Forwarder:
         pending = {link.actor.poll.remote(link.run, POLL_WAIT): link for link in self.links}
         while pending and not self._stop.is_set():
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_WAIT)
+            if ready and len(pending) > 1:  # the other agents that answered meanwhile too
+                ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
+            again = []
             for ref in ready:
                 link = pending.pop(ref)
                 try:
@@ -241,7 +244,11 @@ class Forwarder:
                     return
                 link.deliver(batch)
                 if not batch.over:
-                    pending[link.actor.poll.remote(link.run, POLL_WAIT)] = link
+                    again.append(link)
+            # Polled again only once every answer is delivered: each call costs a little,
+            # and a rank's output or value waits for none of them.
+            for link in again:
+                pending[link.actor.poll.remote(link.run, POLL_WAIT)] = link
 
     def _commands(self) -> None:
         selector = selectors.DefaultSelector()

@@ -68,8 +68,7 @@ def run(
         _protocol.send(control, unpicklable(value, exc, spec.rank))
         return 1
     # The sizes, then the raw bytes (see _protocol.Result).
-    _protocol.send(control, result(started, data, buffers))
-    _protocol.write_raw(control, data, buffers)
+    _protocol.send_result(control, result(started, data, buffers), data, buffers)
     return 0
 
 

@@ -70,8 +70,12 @@ def serve(
         if isinstance(command, _protocol.DebugInput):
             continue  # an answer to a prompt that is gone
         tasks += 1
-        _run_task(spec, sink, command, namespace, interrupts)
-        sink.send(_protocol.Idle(tasks, _collectives.count()))
+        value = _run_task(spec, sink, command, namespace, interrupts)
+        idle = _protocol.Idle(tasks, _collectives.count())
+        if value is None:
+            sink.send(idle)
+        else:  # the value and the Idle in one write: a cell ends as its value arrives
+            sink.send_result(*value, then=idle)
     with contextlib.suppress(Exception):
         destroy_process_group()
     sink.close()
@@ -103,7 +107,8 @@ def _run_task(
     command: _protocol.Command,
     namespace: dict[str, Any],
     interrupts: _Interrupts,
-) -> None:
+) -> tuple[_protocol.Result, bytes, list[memoryview]] | None:
+    """Run one task; its value to send (``None``: its failure was sent)."""
     started = time.monotonic()
     try:
         interrupts.in_task = True
@@ -116,18 +121,18 @@ def _run_task(
         flush_all()
         sink.send(failure(exc, spec))
         _debug.after_failure(exc, sink.send)
-        return
+        return None
     try:
         data, buffers = _values.dumps(value)
     except Exception as exc:
         if not isinstance(command, _protocol.Execute):
             sink.send(unpicklable(value, exc, spec.rank))
-            return
+            return None
         # A cell's last expression is shown, not used: its repr is enough (as IPython shows).
         data, buffers = _values.dumps(
             _protocol.Shown(_protocol.type_name(value), _safe_repr(value))
         )
-    sink.send(result(started, data, buffers), raw=(data, buffers))
+    return result(started, data, buffers), data, buffers
 
 
 def _safe_repr(value: Any) -> str:

@@ -45,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
+import struct
 import threading
 import typing
 from collections.abc import Sequence
@@ -321,18 +322,50 @@ def type_name(obj: object) -> str:
     return f"{module}.{cls.__qualname__}"
 
 
-def write_raw(control: Connection, data: bytes, buffers: Sequence[memoryview] = ()) -> None:
-    """Write ``data``, then each of ``buffers``, unframed after a :class:`Result` that
-    announced their sizes."""
+def send_result(
+    control: Connection,
+    result: Result,
+    data: bytes,
+    buffers: Sequence[memoryview] = (),
+    then: Message | None = None,
+) -> None:
+    """Send ``result``, the raw bytes it announces (the value's pickle, then its buffers) and
+    ``then`` (a live rank's :class:`Idle`), in as few writes as the pipe takes: one, for a
+    small value. A node's agent forwards what it has read as soon as it reads it, so a second
+    write could reach the kernel a whole long poll later (a live cell waits for its Idle)."""
+    parts: list[bytes | memoryview] = [_frame(result), data, *buffers]
+    if then is not None:
+        parts.append(_frame(then))
     _sending.depth += 1
     try:
-        parts: list[bytes | memoryview] = [data, *buffers]
-        for part in parts:
-            view = memoryview(part).cast("B")
-            while view:
-                view = view[os.write(control.fileno(), view) :]
+        _write_all(control.fileno(), parts)
     finally:
         _sending.depth -= 1
+
+
+def _frame(message: Message) -> bytes:
+    """``message`` framed as ``Connection.send_bytes`` frames it (``recv_bytes`` reads it): a
+    4-byte big-endian length (-1 and an 8-byte one from 2 GiB on), then the pickle."""
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    if len(data) > 0x7FFFFFFF:
+        return struct.pack("!iQ", -1, len(data)) + data
+    return struct.pack("!i", len(data)) + data
+
+
+def _write_all(fd: int, parts: Sequence[bytes | memoryview]) -> None:
+    """Write ``parts`` in order with ``writev`` (partial writes resumed where they stopped)."""
+    views = [memoryview(part).cast("B") for part in parts if len(part)]
+    while views:
+        written = os.writev(fd, views[:_IOV_MAX])
+        while written and views:
+            if written >= views[0].nbytes:
+                written -= views[0].nbytes
+                views.pop(0)
+            else:
+                views[0], written = views[0][written:], 0
+
+
+_IOV_MAX = 1024  # Linux's limit on the buffers of one writev
 
 
 def read_raw(control: Connection, size: int) -> bytearray:

@@ -128,21 +128,28 @@ class _Sink:
             if len(self._buffer) >= _MAX_BATCH:
                 self._flush_locked()
 
-    def send(
-        self,
-        message: _protocol.Message,
-        raw: tuple[bytes, Sequence[memoryview]] | None = None,
-    ) -> None:
-        """Send a control message after everything reported so far (keeps the order), and
-        the raw bytes a :class:`~_protocol.Result` announces (its pickle and its buffers),
-        with no frame in between."""
+    def send(self, message: _protocol.Message) -> None:
+        """Send a control message after everything reported so far (keeps the order)."""
         if self._closed.is_set():
             return  # see add()
         with self._lock:
             self._flush_locked()
             _protocol.send(self._control, message)
-            if raw is not None:
-                _protocol.write_raw(self._control, *raw)
+
+    def send_result(
+        self,
+        result: _protocol.Result,
+        data: bytes,
+        buffers: Sequence[memoryview],
+        then: _protocol.Message | None = None,
+    ) -> None:
+        """Send a :class:`~_protocol.Result` after everything reported so far, with the raw
+        bytes it announces and ``then`` (``_protocol.send_result``)."""
+        if self._closed.is_set():
+            return  # see add()
+        with self._lock:
+            self._flush_locked()
+            _protocol.send_result(self._control, result, data, buffers, then)
 
     def flush(self) -> None:
         with self._lock:
