@@ -7,8 +7,9 @@ ranks, one per node (``placement="STRICT_SPREAD"``), gloo. Measured in this proc
 Python driver):
 
 - **cold launch**: ``RayCluster(...)`` on the running cluster, then the first
-  ``notebook_launcher`` of a trivial function (placement group, two agents whose Ray workers
-  import nb_dist and torch, a fork server per node, the ranks); then **warm relaunches**:
+  ``notebook_launcher`` of a trivial function (placement group, two agents in fresh Ray
+  workers, a fork server per node that imports torch, the ranks), three times, each after
+  the last one's agents are gone and the load has dropped; then **warm relaunches**:
   the same launch again, the agents and their fork servers kept;
 - **print → launching process**: each rank prints lines stamped with ``time.time()`` (the
   nodes share this machine's clock); this process's ``sys.stdout`` is replaced by a writer
@@ -139,6 +140,17 @@ def ray_tables(ray: Any) -> tuple[int, int]:
     return len(agents), len(groups)
 
 
+def settle(ray: Any, within: float = 60.0) -> None:
+    """Wait until no node agent or placement group is left and the load has dropped (a cold
+    launch measured while the last one's Ray workers still exit measures their exit too)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        if ray_tables(ray) == (0, 0) and os.getloadavg()[0] < 1.5:
+            break
+        time.sleep(0.5)
+    time.sleep(2.0)  # Ray's workers of the killed agents exit after their actors are dead
+
+
 class _Arrivals(io.TextIOBase):
     """A stdout that notes when each stamped line arrives."""
 
@@ -171,12 +183,14 @@ def measure(rounds: int) -> dict[str, Any]:
     }
     checks: dict[str, Any] = {"lines_bad": 0, "root_cause_once": True, "left_after_stop": []}
     try:
-        for _ in range(max(1, rounds // 4)):
+        for _ in range(max(1, rounds // 2)):
+            settle(ray)  # the last cold launch's agents and group are gone, the box is quiet
             began = time.monotonic()
             target = nb_dist.RayCluster(cluster.address, placement="STRICT_SPREAD")
             nb_dist.notebook_launcher(trivial, num_processes=2, cluster=target, output="none")
             samples["cold_launch"].append(time.monotonic() - began)
             target.close()
+        settle(ray)
         target = nb_dist.RayCluster(cluster.address, placement="STRICT_SPREAD")
         nb_dist.notebook_launcher(trivial, num_processes=2, cluster=target, output="none")
         for _ in range(rounds * 3):
