@@ -116,7 +116,10 @@ def _cuda_state_dict():
     model = torch.nn.Linear(1024, 1024).cuda()  # a 4 MiB weight: crosses out of band
     with torch.no_grad():
         model.weight.fill_(0.25)
-    return {"state": model.state_dict(), "weight": model.weight, "half": model.weight.half()}
+    transposed = torch.arange(512 * 256, dtype=torch.float32, device="cuda").view(512, 256).t()
+    leaf = torch.ones(1 << 15, device="cuda", requires_grad=True)  # 128 KiB, needs grad
+    return {"state": model.state_dict(), "weight": model.weight, "half": model.weight.half(),
+            "transposed": transposed, "leaf": leaf}  # fmt: skip
 
 
 def _cuda_report():
@@ -391,6 +394,11 @@ def s_result_large_cuda_state_dict():
     assert torch.equal(value["state"]["weight"], torch.full((1024, 1024), 0.25)), "weight"
     assert isinstance(weight, torch.nn.Parameter) and weight.requires_grad, type(weight)
     assert half.dtype == torch.float16 and half.device.type == "cpu", half
+    # Not contiguous: pickled as pickle does, from its CPU copy (never CUDA data).
+    transposed = value["transposed"]
+    expected = torch.arange(512 * 256, dtype=torch.float32).view(512, 256).t()
+    assert transposed.device.type == "cpu" and torch.equal(transposed, expected), transposed
+    assert value["leaf"].device.type == "cpu" and value["leaf"].requires_grad, value["leaf"]
     return {"value": _describe(value), "parent_cuda_initialized": init}
 
 

@@ -308,7 +308,8 @@ def test_node_agents_leave_the_kernel_side_of_nb_dist_unimported(cluster, ray_cl
     assert list(result) == [6, 6]
     gang = cluster._gang
     seen = ray.get([a.__ray_call__.remote(imported) for a in gang.agents], timeout=60)
-    assert all(abs(offset) < 0.05 for offset in gang.clock_offsets)  # one machine: one clock
+    # One machine, one boot: one clock, so nothing to measure (another machine's is measured).
+    assert gang.clock_offsets == [0.0, 0.0]
     store = gang.layout.agent[0]  # the agent hosting the store imports torch for TCPStore
     assert [s[:2] for s in seen] == [(False, False)] * 2
     assert [s[2] for i, s in enumerate(seen) if i != store] == [False]

@@ -91,9 +91,11 @@ def test_other_tensors_are_pickled_as_pickle_does_and_keep_their_meaning(make):
 
 def test_plain_objects_and_numpy_arrays_round_trip():
     numpy = pytest.importorskip("numpy")
-    value = {"step": 3, "name": "run", "curve": [0.5, 0.25], "array": numpy.arange(BIG)}
+    value = {"step": 3, "name": "run", "curve": [0.5, 0.25], "array": numpy.arange(BIG),
+             "small": numpy.arange(3)}  # fmt: skip
     back, buffers = _through(value)
-    assert len(buffers) == 1  # numpy's own pickle-5 support
+    assert len(buffers) == 1  # numpy's own pickle-5 support; the small array stays in band
+    assert back["small"].tolist() == [0, 1, 2]
     assert back["step"] == 3 and back["curve"] == [0.5, 0.25]
     assert (back["array"] == value["array"]).all()
 

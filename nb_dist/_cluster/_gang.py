@@ -20,6 +20,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from .._rank._spec import WorkerSpec
+from .._shared import _clock
 from . import _placement
 from ._connect import ClusterError
 from ._forward import CALL_LIMIT, AgentLink, Forwarder, OnLost, RemoteProcess
@@ -28,6 +29,8 @@ from ._forward import CALL_LIMIT, AgentLink, Forwarder, OnLost, RemoteProcess
 AGENTS_LIMIT = 180.0
 #: How long an agent may take to start its ranks (the first forkserver imports torch).
 START_LIMIT = 180.0
+#: Seconds a measured clock offset is used for (clocks drift a few ms an hour at worst).
+CLOCKS_FRESH_FOR = 60.0
 _runs = itertools.count(1)
 
 
@@ -40,6 +43,7 @@ class Node:
     hostname: str
     interface: str | None
     cores: int
+    boot_id: str | None  # the node's running system: equal to the kernel's, one clock
 
 
 @dataclass(frozen=True)
@@ -122,6 +126,10 @@ class Gang:
                     ).remote(method)
                 )
             found = ray.get([a.where.remote() for a in self.agents], timeout=AGENTS_LIMIT)
+            self.nodes = [Node(*where) for where in found]
+            self.clock_offsets: list[float] = []
+            self._clocks_at = 0.0
+            self.measure_clocks()
         except BaseException as exc:
             self.close()
             if isinstance(exc, ray.exceptions.GetTimeoutError):
@@ -131,11 +139,19 @@ class Gang:
                     "here), then launch again."
                 ) from None
             raise
-        self.nodes = [Node(*where) for where in found]
-        #: Per agent: what to add to a time on its node's monotonic clock (a rank's message
-        #: stamps) to put it on this process's (``_protocol.on_kernel_clock``).
-        self.clock_offsets = [clock_offset(self._clock_of(actor)) for actor in self.agents]
         self.layout = layout([n.node_id for n in self.nodes], self.counts)
+
+    def measure_clocks(self) -> None:
+        """Per agent, what to add to a time on its node's monotonic clock (a rank's message
+        stamps) to put it on this process's (``_protocol.on_kernel_clock``): 0 on this
+        machine (one clock), else measured (:func:`clock_offset`). Measured again before a
+        run when older than :data:`CLOCKS_FRESH_FOR`: two machines' clocks drift apart."""
+        here = _clock.boot_id()
+        self.clock_offsets = [
+            0.0 if here is not None and node.boot_id == here else clock_offset(self._clock_of(a))
+            for node, a in zip(self.nodes, self.agents, strict=True)
+        ]
+        self._clocks_at = time.monotonic()
 
     def _clock_of(self, actor: Any) -> Callable[[], float]:
         return lambda: float(self.ray.get(actor.clock.remote(), timeout=CALL_LIMIT))
@@ -169,6 +185,9 @@ class Gang:
     ) -> tuple[Forwarder, list[RemoteProcess]]:
         """Start one run's ranks (``specs[r]`` for rank ``r``, ``theirs[r]`` its local pipe
         ends); the forwarder (started) and each rank's process."""
+        if time.monotonic() - self._clocks_at > CLOCKS_FRESH_FOR:
+            with contextlib.suppress(Exception):  # kept as they were; a lost agent is found below
+                self.measure_clocks()
         run, lay = next(_runs), self.layout
         links = [
             AgentLink(self.ray, actor, run, self.nodes[i].address)

@@ -24,6 +24,7 @@ it adds is the life of one task:
 
 from __future__ import annotations
 
+import logging
 import signal
 import time
 from collections.abc import Callable
@@ -41,6 +42,7 @@ from .._kernel._supervisor import AttemptResult, Supervisor
 from .._rank import _regroup
 from .._shared import _collectives, _protocol, _shipping
 
+_log = logging.getLogger(__name__)
 #: How long closed ranks get to destroy their process group and exit.
 CLOSE_GRACE = 1.0
 #: How long ranks blocked in a collective get to leave it once the idle ranks dropped their
@@ -274,7 +276,11 @@ class SessionSupervisor(Supervisor):
         # The calls below are not the cell's work: its live view (which knows only the cell's
         # ranks) does not hear of them; it is closed with the cell's error.
         self.current.observer = None
-        peers = self._rank_endpoints()
+        try:
+            peers = self._rank_endpoints()
+        except Exception:  # an agent that cannot read them: stopped, as when nothing frees
+            _log.info("nb_dist: reading the ranks' socket addresses failed", exc_info=True)
+            return False
         dropped: set[int] = set()
         deadline = time.monotonic() + RELEASE_LIMIT
         while True:

@@ -36,7 +36,7 @@ from typing import Any
 from .._kernel import _processes
 from .._rank import _regroup
 from .._rank._spec import WorkerChannels, WorkerSpec
-from .._shared import _collectives
+from .._shared import _clock, _collectives
 from .._shared._protocol import COLLECTIVES_ENV
 from ._outbox import KINDS, Batch, Outbox
 
@@ -85,9 +85,10 @@ class NodeAgent:
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ where
-    def where(self) -> tuple[str, str, str, str | None, int]:
+    def where(self) -> tuple[str, str, str, str | None, int, str | None]:
         """(Ray node id, the node's cluster address, host name, the network interface of
-        that address, cores): who this node is for ``LOCAL_RANK``/``NODE_RANK`` and gloo."""
+        that address, cores, boot id): who this node is for ``LOCAL_RANK``/``NODE_RANK``,
+        gloo, and whose clock its ranks' times are on."""
         import ray
 
         context = ray.get_runtime_context()
@@ -98,6 +99,7 @@ class NodeAgent:
             socket.gethostname(),
             _interface_of(address),
             len(os.sched_getaffinity(0)),
+            _clock.boot_id(),
         )
 
     def clock(self) -> float:

@@ -26,21 +26,39 @@ OUT_OF_BAND = 1 << 16
 class _RankPickler(pickle.Pickler):
     def __init__(self, file: io.BytesIO) -> None:
         self.buffers: list[pickle.PickleBuffer] = []
-        super().__init__(file, protocol=5, buffer_callback=self.buffers.append)
+        super().__init__(file, protocol=5, buffer_callback=self._out_of_band)
+
+    def _out_of_band(self, buffer: pickle.PickleBuffer) -> bool:
+        """Keep a buffer out of band (``False``) if it is large: a numpy array of a few
+        bytes is cheaper inside the pickle than as a read of its own in the kernel."""
+        if buffer.raw().nbytes < OUT_OF_BAND:
+            return True
+        self.buffers.append(buffer)
+        return False
 
     def reducer_override(self, obj: Any) -> Any:
         torch = sys.modules.get("torch")
         if torch is None or not isinstance(obj, torch.Tensor):
             return NotImplemented
-        if obj.device.type not in ("cpu", "meta"):
-            moved = obj.detach().cpu()
-            if isinstance(obj, torch.nn.Parameter):  # a module's parameters stay parameters
-                moved = torch.nn.Parameter(moved, requires_grad=obj.requires_grad)
-            obj = moved
-            if obj.nbytes < OUT_OF_BAND:
-                return obj.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
-        reduced = _out_of_band(torch, obj)
-        return NotImplemented if reduced is None else reduced
+        if obj.device.type in ("cpu", "meta"):
+            reduced = _out_of_band(torch, obj)
+            return NotImplemented if reduced is None else reduced
+        # An accelerator tensor: its CPU copy, whatever happens next (pickle's own reduction
+        # of the original would send CUDA data that the kernel must not unpickle).
+        moved = _on_cpu(torch, obj)
+        reduced = _out_of_band(torch, moved)
+        return moved.__reduce_ex__(pickle.HIGHEST_PROTOCOL) if reduced is None else reduced
+
+
+def _on_cpu(torch: Any, tensor: Any) -> Any:
+    """``tensor`` copied to CPU, a parameter still a parameter and a leaf's
+    ``requires_grad`` kept (as pickling it on CPU keeps them)."""
+    moved = tensor.detach().cpu()
+    if isinstance(tensor, torch.nn.Parameter):
+        return torch.nn.Parameter(moved, requires_grad=tensor.requires_grad)
+    if tensor.requires_grad and tensor.is_leaf:
+        moved.requires_grad_(True)
+    return moved
 
 
 def _out_of_band(torch: Any, tensor: Any) -> tuple[Any, ...] | None:
