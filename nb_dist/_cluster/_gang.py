@@ -127,8 +127,6 @@ class Gang:
                 )
             found = ray.get([a.where.remote() for a in self.agents], timeout=AGENTS_LIMIT)
             self.nodes = [Node(*where) for where in found]
-            self.clock_offsets: list[float] = []
-            self._clocks_at = 0.0
             self.measure_clocks()
         except BaseException as exc:
             self.close()
@@ -147,7 +145,7 @@ class Gang:
         machine (one clock), else measured (:func:`clock_offset`). Measured again before a
         run when older than :data:`CLOCKS_FRESH_FOR`: two machines' clocks drift apart."""
         here = _clock.boot_id()
-        self.clock_offsets = [
+        self.clock_offsets: list[float] = [
             0.0 if here is not None and node.boot_id == here else clock_offset(self._clock_of(a))
             for node, a in zip(self.nodes, self.agents, strict=True)
         ]

@@ -1,6 +1,7 @@
 """The class Ray starts on each node: the node agent, without nb_dist's kernel side.
 
-Runs in the kernel (:func:`agent_class`) and in each agent's Ray worker (the class it returns).
+Runs in the kernel (:func:`agent_class`) and in each agent's Ray worker (the class it returns,
+which refers to nothing of this module).
 Ray imports an actor's class in a fresh worker, and importing any module of nb_dist first runs
 ``nb_dist/__init__.py``: the kernel's API, with torch, ipywidgets and matplotlib. The agent
 uses none of it (its ranks import torch in their own processes), and on a cold launch that
@@ -18,20 +19,11 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-#: The agent's methods the kernel calls through Ray (``_cluster/_gang.py``, ``_forward.py``).
-METHODS = (
-    "where",
-    "clock",
-    "open_store",
-    "start",
-    "poll",
-    "wake",
-    "write",
-    "close_commands",
-    "signal",
-    "endpoints",
-    "kill_and_reap",
-    "end_run",
+from ._agent import NodeAgent
+
+#: The agent's methods the kernel calls through Ray: every public one of ``NodeAgent``.
+METHODS = tuple(
+    name for name, value in vars(NodeAgent).items() if callable(value) and not name.startswith("_")
 )
 
 

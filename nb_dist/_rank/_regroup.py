@@ -52,10 +52,11 @@ def drop_connections(peers: Iterable[tuple[str, int]]) -> int:
     how many."""
     import psutil
 
-    own = set(endpoints([os.getpid()]))
+    connections = psutil.Process().net_connections("tcp")
+    own = {(c.laddr.ip, c.laddr.port) for c in connections if c.laddr}
     wanted = {(ip, port) for ip, port in peers} - own
     dropped = 0
-    for conn in psutil.Process().net_connections("tcp"):
+    for conn in connections:
         if conn.fd < 0 or not conn.raddr or (conn.raddr.ip, conn.raddr.port) not in wanted:
             continue
         with contextlib.suppress(OSError):

@@ -26,11 +26,12 @@ OUT_OF_BAND = 1 << 16
 class _RankPickler(pickle.Pickler):
     def __init__(self, file: io.BytesIO) -> None:
         self.buffers: list[pickle.PickleBuffer] = []
-        super().__init__(file, protocol=5, buffer_callback=self._out_of_band)
+        super().__init__(file, protocol=5, buffer_callback=self._keep_in_band)
 
-    def _out_of_band(self, buffer: pickle.PickleBuffer) -> bool:
-        """Keep a buffer out of band (``False``) if it is large: a numpy array of a few
-        bytes is cheaper inside the pickle than as a read of its own in the kernel."""
+    def _keep_in_band(self, buffer: pickle.PickleBuffer) -> bool:
+        """Whether ``buffer`` stays inside the pickle: a small one (a numpy array of a few
+        bytes is cheaper there than as a read of its own in the kernel); a large one is
+        kept out of band, in order."""
         if buffer.raw().nbytes < OUT_OF_BAND:
             return True
         self.buffers.append(buffer)
