@@ -146,12 +146,18 @@ def fails_on_rank_1():
         return helper(0) if int(os.environ["RANK"]) == 1 else 0
     return nested()
 
-def sleeps_on_rank_1():
+def sleeps_on_rank_1(folder):
     dist.init_process_group("gloo")
     if dist.get_rank() == 1:
+        open(os.path.join(folder, "asleep"), "w").close()
         time.sleep(60)
     return dist.get_rank()
 """
+
+# A spawned rank imports torch before it reaches the function: seconds on a loaded 2-core box.
+# The hang test's timeout leaves room for that, and the rank's file proves it was asleep when
+# the timeout fired (the report's stack is only there once it is).
+SPAWN_TIMEOUT = 20
 
 
 @pytest.fixture(params=VERSIONS)
@@ -188,16 +194,21 @@ def test_a_shipped_rank_names_the_cell_in_its_traceback(versioned_kernel, method
 
 
 @pytest.mark.kernel
-def test_a_spawned_rank_names_the_cell_in_a_hang_report_and_in_debug(versioned_kernel):
+def test_a_spawned_rank_names_the_cell_in_a_hang_report_and_in_debug(versioned_kernel, tmp_path):
     kc = versioned_kernel
     define = execute(kc, CELL).expect_ok()
     cell = f"Cell In[{define.execution_count}]"
     hung = execute(
         kc,
-        "notebook_launcher(sleeps_on_rank_1, num_processes=2, start_method='spawn', timeout=3)",
+        f"notebook_launcher(sleeps_on_rank_1, args=({str(tmp_path)!r},), num_processes=2, "
+        f"start_method='spawn', timeout={SPAWN_TIMEOUT})",
+        timeout=SPAWN_TIMEOUT + 60,
     )
     assert hung.error is not None and hung.error["ename"] == "LaunchTimeoutError"
     text = hung.error_text()
+    assert (tmp_path / "asleep").exists(), (
+        f"rank 1 had not reached its sleep within timeout={SPAWN_TIMEOUT} s: {text}"
+    )
     assert "<dynamic-code>" not in text, text
     where = f"{cell}, line {line_in(CELL, 'time.sleep(60)')}, in sleeps_on_rank_1"
     assert where in text, text
