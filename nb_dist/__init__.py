@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging as _logging
 import os as _os
+from typing import TYPE_CHECKING as _TYPE_CHECKING
 
 from ._cluster._ray_cluster import RayCluster  # imports Ray only when a cluster is made
 from ._kernel._errors import (
@@ -41,15 +42,44 @@ from ._shared._reporting import (
     report,
     world_size,
 )
-from .views import (
-    AllReduceStepper,
-    GradientView,
-    LossScaleView,
-    PrecisionExplorer,
-    ShardExplorer,
-    consumed_view,
-    rank_color,
+
+if _TYPE_CHECKING:
+    from .views import (
+        AllReduceStepper,
+        GradientView,
+        LossScaleView,
+        PrecisionExplorer,
+        ShardExplorer,
+        consumed_view,
+        rank_color,
+    )
+
+# The teaching views are imported when first used (PEP 562): a launch needs no widget library,
+# and ``import nb_dist`` must work where a view cannot be built.
+_VIEWS = (
+    "AllReduceStepper",
+    "GradientView",
+    "LossScaleView",
+    "PrecisionExplorer",
+    "ShardExplorer",
+    "consumed_view",
+    "rank_color",
 )
+
+
+def __getattr__(name: str) -> object:
+    if name not in _VIEWS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from . import views
+
+    value = getattr(views, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_VIEWS))
+
 
 __version__ = "0.1.0"
 

@@ -142,3 +142,52 @@ def test_a_launch_error_is_what_accelerate_users_catch():
     assert issubclass(nb_dist.WorkerFailedError, ChildFailedError)
     assert issubclass(nb_dist.UnsafeLaunchError, ValueError)
     assert issubclass(nb_dist.RendezvousTimeoutError, nb_dist.LaunchTimeoutError)
+
+
+WITHOUT_WIDGETS = """
+import sys
+# As where the widget and plotting libraries are absent or cannot be imported: every import
+# of them fails.
+for name in ("ipywidgets", "matplotlib"):
+    sys.modules[name] = None
+import nb_dist
+loaded = sorted(m for m in sys.modules if m.startswith("nb_dist.views."))
+from nb_dist import notebook_launcher
+
+def total(x):
+    import torch, torch.distributed as dist
+    t = torch.tensor([float(dist.get_rank() + x)])
+    dist.all_reduce(t)
+    return t.item()
+
+print(list(notebook_launcher(total, args=(1,), num_processes=2, init_process_group=True)))
+try:
+    nb_dist.ShardExplorer(dataset_len=10, world_size=2).widget
+except ImportError as error:
+    print("the widget needs:", error.name)
+print(loaded)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_launch_needs_no_widget_or_plotting_library(tmp_path):
+    """``import nb_dist`` and a launch work where ipywidgets and matplotlib cannot be imported;
+    only building a view's widget needs them, and says so then."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "without_widgets.py"
+    script.write_text(WITHOUT_WIDGETS)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=100, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert "[3.0, 3.0]" in lines, done.stdout
+    assert "the widget needs: ipywidgets" in lines, done.stdout
+    # What a launch loads of the views: the widget base its monitor builds on, and colours.
+    assert set(eval(lines[-1])) <= {
+        "nb_dist.views._display",
+        "nb_dist.views.colors",
+        "nb_dist.views.consumed_view",
+    }, lines[-1]

@@ -20,13 +20,70 @@ the pieces in ``_html.py``.
 
 from __future__ import annotations
 
-from .allreduce_stepper import AllReduceStepper, RingStep, chunk_bounds, ring_allreduce_steps
-from .colors import rank_color, rank_colors
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .allreduce_stepper import (
+        AllReduceStepper,
+        RingStep,
+        chunk_bounds,
+        ring_allreduce_steps,
+    )
+    from .colors import rank_color, rank_colors
+    from .gradient_view import GradientView
+    from .loss_scale_view import LossScaleView, scaler_step
+    from .precision_explorer import (
+        FinfoRow,
+        PrecisionExplorer,
+        Representation,
+        finfo_table,
+        represent,
+    )
+    from .shard_explorer import ShardExplorer, sampler_assignments
+
+# The function ``consumed_view`` shares its module's name: imported at once, so that an import
+# of the module ``nb_dist.views.consumed_view`` cannot leave the package attribute pointing at
+# the module instead of the function. It needs no widget library (a figure on demand).
 from .consumed_view import ConsumedView, consumed_view
-from .gradient_view import GradientView
-from .loss_scale_view import LossScaleView, scaler_step
-from .precision_explorer import FinfoRow, PrecisionExplorer, Representation, finfo_table, represent
-from .shard_explorer import ShardExplorer, sampler_assignments
+
+# Each other name is imported from its module when first used (PEP 562), so that a launch, which
+# needs none of the views, never imports them, and a view that cannot be built where it runs
+# (an older widget library) fails only when it is used.
+_WHERE = {
+    "AllReduceStepper": "allreduce_stepper",
+    "RingStep": "allreduce_stepper",
+    "chunk_bounds": "allreduce_stepper",
+    "ring_allreduce_steps": "allreduce_stepper",
+    "rank_color": "colors",
+    "rank_colors": "colors",
+    "GradientView": "gradient_view",
+    "LossScaleView": "loss_scale_view",
+    "scaler_step": "loss_scale_view",
+    "FinfoRow": "precision_explorer",
+    "PrecisionExplorer": "precision_explorer",
+    "Representation": "precision_explorer",
+    "finfo_table": "precision_explorer",
+    "represent": "precision_explorer",
+    "ShardExplorer": "shard_explorer",
+    "sampler_assignments": "shard_explorer",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    imported = importlib.import_module(f"{__name__}.{module}")
+    for other, where in _WHERE.items():  # the next lookups are plain attributes
+        if where == module:
+            globals()[other] = getattr(imported, other)
+    return globals()[name]
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))
+
 
 __all__ = [
     "AllReduceStepper",

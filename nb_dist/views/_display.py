@@ -44,7 +44,15 @@ class SettingValueError(TraitError, ValueError):
     """A view setting out of range (a ``ValueError``, and a ``TraitError`` for traitlets)."""
 
 
-class StrictInt(Int[int, int]):
+# traitlets 5.9 made its traits generic (``Int[int, int]``); 5.7, which Colab and Kaggle ship,
+# cannot subscript them. The type checker sees the generic, the interpreter the plain class.
+if TYPE_CHECKING:
+    _IntTrait = Int[int, int]
+else:
+    _IntTrait = Int
+
+
+class StrictInt(_IntTrait):
     """An ``Int`` trait that refuses bools and floats, saying which setting and how to fix it."""
 
     def validate(self, obj: Any, value: Any) -> int:
@@ -176,9 +184,26 @@ class _WidgetView(_View):
         return control
 
     def _rich_bundle(self) -> dict[str, Any]:
-        bundle = self.widget._repr_mimebundle_() or {}
-        key = "application/vnd.jupyter.widget-view+json"
-        return {key: bundle[key]} if key in bundle else {}
+        return widget_view_bundle(self.widget)
+
+
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+
+
+def widget_view_bundle(widget: DOMWidget) -> dict[str, Any]:
+    """The MIME entry a frontend renders ``widget`` from, on ipywidgets 7 and 8.
+
+    ipywidgets 8 builds it in ``_repr_mimebundle_``; ipywidgets 7 (Colab's and Kaggle's) has
+    no such method and publishes the same entry itself from ``_ipython_display_``, so it is
+    built here from the widget's model id, as ipywidgets 7 does (widget protocol 2.0).
+    """
+    repr_bundle = getattr(widget, "_repr_mimebundle_", None)
+    if repr_bundle is not None:
+        bundle = repr_bundle() or {}
+        return {WIDGET_VIEW: bundle[WIDGET_VIEW]} if WIDGET_VIEW in bundle else {}
+    if getattr(widget, "_view_name", None) is None or getattr(widget, "comm", None) is None:
+        return {}  # no frontend view, or the widget was closed
+    return {WIDGET_VIEW: {"version_major": 2, "version_minor": 0, "model_id": widget.model_id}}
 
 
 class _StaticView(_View):
