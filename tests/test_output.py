@@ -78,6 +78,22 @@ def _unicode():
     return "🚀"
 
 
+def _gloo_chatter():
+    # What gloo prints on every rank of every launch from torch 2.10 to 2.12 (C++ printf),
+    # then a warning and an error of gloo's own, which must still show.
+    rank = int(os.environ["RANK"])
+    libc = ctypes.CDLL(None)
+    libc.printf(
+        b"[Gloo] Rank %d is connected to 1 peer ranks. Expected number of connected peer "
+        b"ranks is : 1\n",
+        ctypes.c_int(rank),
+    )
+    libc.fflush(None)
+    print(f"[Gloo] Rank {rank}: a warning of gloo's own", file=sys.stderr)
+    print(f"training on rank {rank}")
+    return rank
+
+
 # ----------------------------------------------------------------------------- labels
 def test_every_line_is_labelled_and_goes_to_its_stream(capsys):
     """Python, fd-level and C printf output of each rank arrive labelled on the right stream."""
@@ -360,3 +376,21 @@ def test_blocked_place_names_a_hang_at_the_return_of_the_function():
     assert blocked_place([]) == "an unknown place (native code, no Python frame of yours)"
     user = [*at_return, ("/home/me/train.py", 7, "train")]
     assert blocked_place(user) == "train.py, line 7, in train"
+
+
+@pytest.mark.parametrize("output", ["all", "grouped"])
+def test_torchs_connection_chatter_stays_in_the_logs(capsys, output):
+    """gloo's "is connected to N peer ranks" lines reach ``result.logs``, not the cell; the
+    rank's other lines, gloo's warnings included, are shown as ever."""
+    result = notebook_launcher(_gloo_chatter, num_processes=2, output=output)
+    captured = capsys.readouterr()
+    assert "is connected to" not in captured.out + captured.err
+    for rank in (0, 1):
+        assert f"[rank {rank}] training on rank {rank}" in captured.out.splitlines()
+        assert f"[rank {rank}] [Gloo] Rank {rank}: a warning of gloo's own" in (
+            captured.err.splitlines()
+        )
+        assert (
+            f"[Gloo] Rank {rank} is connected to 1 peer ranks. Expected number of connected "
+            f"peer ranks is : 1" in result.logs[rank].splitlines()
+        )

@@ -8,6 +8,7 @@ thread writes, the lines land in the launching cell and are all sent before the 
 from __future__ import annotations
 
 import codecs
+import re
 import string
 import sys
 import time
@@ -53,6 +54,21 @@ class LineSplitter:
 def _frontend() -> Any:
     """The IPython shell that can show rich output, or ``None`` (a plain script)."""
     return ipython_shell()
+
+
+# torch's informational lines that every rank prints on every launch (gloo's connection
+# report, on stdout from torch 2.10 to 2.12): kept in the rank's log (``result.logs``), never
+# shown in the cell or the monitor, where they would bury the function's own output. Warnings
+# and errors never match.
+QUIET_LINES = re.compile(
+    r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks\. "
+    r"Expected number of connected peer ranks is : \d+"
+)
+
+
+def is_quiet(line: str) -> bool:
+    """Whether ``line`` is torch's chatter that stays in the log only (see ``QUIET_LINES``)."""
+    return QUIET_LINES.fullmatch(line.strip()) is not None
 
 
 def _visible(line: str) -> str:
@@ -106,6 +122,9 @@ class OutputRouter:
         if not lines:
             return
         self.logs[local_rank].extend(lines)
+        lines = [line for line in lines if not is_quiet(line)]
+        if not lines:
+            return
         if self.observer is not None:
             self.observer.lines(local_rank, stream, lines)
         if self.mode == "grouped":
