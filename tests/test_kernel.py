@@ -28,6 +28,8 @@ from kernel_helpers import (
 )
 from process_helpers import assert_all_gone
 
+from nb_dist._shared._net import tcp_connections
+
 pytestmark = pytest.mark.kernel
 
 SETUP = """
@@ -303,7 +305,7 @@ def test_killed_kernel_takes_its_workers_along(kernels, tmp_path):
     def listening(pid: int) -> set[int]:
         return {
             c.laddr.port
-            for c in psutil.Process(pid).net_connections(kind="inet")
+            for c in tcp_connections(psutil.Process(pid))
             if c.status == psutil.CONN_LISTEN
         }
 

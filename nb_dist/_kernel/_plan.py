@@ -511,5 +511,13 @@ def _pickle_for_spawn(function: Callable[..., Any], args: tuple[Any, ...]) -> by
 
 
 def _cell_sources() -> dict[str, Any]:
-    """linecache entries of notebook cells, so spawned workers' tracebacks show the code."""
-    return {name: entry for name, entry in linecache.cache.items() if cell_label(name)}
+    """linecache entries of notebook cells, so spawned workers' tracebacks show the code.
+
+    Each without a modification time: IPython 7 stamps its entries with one, and linecache
+    then drops them in a process where no such file exists (a spawned rank), as a stale file's.
+    """
+    return {
+        name: (entry[0], None, entry[2], name)
+        for name, entry in linecache.cache.items()
+        if len(entry) == 4 and cell_label(name)
+    }

@@ -35,9 +35,26 @@ def cell_label(filename: str) -> str | None:
     compiler = getattr(shell, "compile", None)
     formatter = getattr(compiler, "format_code_name", None)
     if formatter is None:
-        return None
+        return _label_from_history(shell, compiler, filename)
     label = formatter(filename)
     return f"{label[0]} {label[1]}" if label else None
+
+
+def _label_from_history(shell: Any, compiler: Any, filename: str) -> str | None:
+    """``cell_label`` on IPython 7 (Colab's and Kaggle's), which keeps no map from a cell's
+    file name to its number: the newest cell of the history whose code the kernel's compiler
+    names ``filename``. ipykernel names a cell's file after a hash of its code, and the history
+    keeps the code without its trailing newlines, so a few endings are tried."""
+    namer = getattr(compiler, "get_code_name", None)
+    history = getattr(getattr(shell, "history_manager", None), "input_hist_raw", None)
+    if namer is None or not history or not os.path.isabs(filename):
+        return None
+    for number in range(len(history) - 1, 0, -1):
+        code = history[number]
+        for ending in ("", "\n", "\n\n"):
+            if namer(code + ending, code + ending, number) == filename:
+                return f"Cell In[{number}]"
+    return None
 
 
 def relabel_cells(text: str) -> str:

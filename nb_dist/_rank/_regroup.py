@@ -28,6 +28,7 @@ from collections.abc import Iterable
 from datetime import timedelta
 
 from .._shared import _collectives
+from .._shared._net import tcp_connections
 
 
 def endpoints(pids: Iterable[int]) -> list[tuple[str, int]]:
@@ -40,7 +41,7 @@ def endpoints(pids: Iterable[int]) -> list[tuple[str, int]]:
     for pid in pids:
         with contextlib.suppress(psutil.Error):
             found.update(
-                (c.laddr.ip, c.laddr.port) for c in psutil.Process(pid).net_connections("tcp")
+                (c.laddr.ip, c.laddr.port) for c in tcp_connections(psutil.Process(pid))
                 if c.laddr
             )  # fmt: skip
     return sorted(found)
@@ -52,7 +53,7 @@ def drop_connections(peers: Iterable[tuple[str, int]]) -> int:
     how many."""
     import psutil
 
-    connections = psutil.Process().net_connections("tcp")
+    connections = tcp_connections(psutil.Process())
     own = {(c.laddr.ip, c.laddr.port) for c in connections if c.laddr}
     wanted = {(ip, port) for ip, port in peers} - own
     dropped = 0
