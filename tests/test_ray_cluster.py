@@ -741,7 +741,11 @@ def test_in_a_kernel_output_lands_in_its_cell_and_kernel_death_leaves_nothing(
                 print("line", i, "of", nb_dist.rank())
             return nb_dist.rank()
     """).expect_ok()  # fmt: skip
-    cell = execute(kc, "nb_dist.notebook_launcher(chatty, num_processes=2, cluster=cluster)")
+    # The kernel's first launch on the cluster starts the agents and their fork servers (Ray
+    # starts workers, each imports torch): 4 s on an idle 2-core box, a minute under load.
+    cell = execute(
+        kc, "nb_dist.notebook_launcher(chatty, num_processes=2, cluster=cluster)", timeout=180
+    )
     cell.expect_ok()
     for rank in (0, 1):
         lines = [x for x in cell.stdout().splitlines() if x.startswith(f"[rank {rank}] line")]

@@ -167,9 +167,11 @@ class Gang:
     def open_store(self, world_size: int) -> tuple[str, int]:
         """The rendezvous store on rank 0's node: (its address, its port)."""
         node = self.nodes[self.layout.agent[0]]
+        # The first call imports torch in that agent (agents start without it), which takes
+        # as long as a first start does: 1.5 s on an idle 2-core box, over 30 s under load.
         port = self.ray.get(
             self.agents[self.layout.agent[0]].open_store.remote(node.address, world_size),
-            timeout=CALL_LIMIT,
+            timeout=START_LIMIT,
         )
         return node.address, int(port)
 
