@@ -49,12 +49,25 @@ def _label_from_history(shell: Any, compiler: Any, filename: str) -> str | None:
     history = getattr(getattr(shell, "history_manager", None), "input_hist_raw", None)
     if namer is None or not history or not os.path.isabs(filename):
         return None
-    for number in range(len(history) - 1, 0, -1):
-        code = history[number]
-        for ending in ("", "\n", "\n\n"):
-            if namer(code + ending, code + ending, number) == filename:
-                return f"Cell In[{number}]"
-    return None
+    number = _history_names(namer, history).get(filename)
+    return f"Cell In[{number}]" if number is not None else None
+
+
+# The names of the history's cells, kept until the history grows: a spawn launch asks for
+# every linecache entry, and each name is a hash of a whole cell.
+_named: tuple[int, int, dict[str, int]] = (0, 0, {})
+
+
+def _history_names(namer: Any, history: list[str]) -> dict[str, int]:
+    global _named
+    if _named[:2] != (id(history), len(history)):
+        names: dict[str, int] = {}
+        for number in range(1, len(history)):  # later cells overwrite: the newest wins
+            for ending in ("", "\n", "\n\n"):
+                code = history[number] + ending
+                names[namer(code, code, number)] = number
+        _named = (id(history), len(history), names)
+    return _named[2]
 
 
 def relabel_cells(text: str) -> str:
