@@ -70,10 +70,20 @@ PUBLIC_VIEWS = [
     "ring_allreduce_steps",
     "sampler_assignments",
     "scaler_step",
+    "widget_view_bundle",
 ]
 
 # The names nb_dist.teach exports (the notebooks' exercise checks).
-PUBLIC_TEACH = ["WrongAnswer", "answered", "check", "check_code"]
+PUBLIC_TEACH = [
+    "WrongAnswer",
+    "all_gather_single",
+    "answered",
+    "check",
+    "check_code",
+    "ddp_buffer_sync",
+    "reduce_scatter_single",
+    "torch_name",
+]
 
 
 def _defined_where_it_says(obj) -> bool:

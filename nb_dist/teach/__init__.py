@@ -5,12 +5,23 @@ student to write), and checks it in the next cell with :func:`check` or :func:`c
 The solutions edition (``notebooks/``) carries the answers; the student edition
 (``notebooks/student/``) is made from it by ``nb-dist student-edition``, with every answer
 replaced by ``...``. A check on a ``...`` says "not answered yet" and lets Run All go on.
+``torch_versions`` gives torch 2.13's names of a few distributed APIs on older torch.
 """
 
 from __future__ import annotations
 
 from .exercises import NOT_ANSWERED as NOT_ANSWERED
 from .exercises import WrongAnswer, answered, check, check_code
+from .torch_versions import all_gather_single, ddp_buffer_sync, reduce_scatter_single, torch_name
 
 # NOT_ANSWERED (the text a check prints for a blank) is importable, not exported.
-__all__ = ["WrongAnswer", "answered", "check", "check_code"]
+__all__ = [
+    "WrongAnswer",
+    "all_gather_single",
+    "answered",
+    "check",
+    "check_code",
+    "ddp_buffer_sync",
+    "reduce_scatter_single",
+    "torch_name",
+]

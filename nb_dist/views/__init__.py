@@ -15,7 +15,8 @@ everywhere else (``print``, scripts, nbconvert, nbval) it shows a deterministic 
   (``loss_scale_view.py``): a GradScaler trace.
 
 Each rank has one colour in every view: :func:`rank_color`. The widgets' HTML is built from
-the pieces in ``_html.py``.
+the pieces in ``_html.py``. :func:`widget_view_bundle` gives a widget's display entry on
+ipywidgets 7 and 8, for a notebook's own view class.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from ._display import widget_view_bundle
     from .allreduce_stepper import (
         AllReduceStepper,
         RingStep,
@@ -67,6 +69,7 @@ _WHERE = {
     "represent": "precision_explorer",
     "ShardExplorer": "shard_explorer",
     "sampler_assignments": "shard_explorer",
+    "widget_view_bundle": "_display",
 }
 
 
@@ -104,4 +107,5 @@ __all__ = [
     "ring_allreduce_steps",
     "sampler_assignments",
     "scaler_step",
+    "widget_view_bundle",
 ]
