@@ -24,6 +24,7 @@ from ._kernel._launcher import notebook_launcher
 from ._kernel._preflight import install_cuda_touch_recorder as _install_cuda_touch_recorder
 from ._kernel._result import LaunchResult
 from ._kernel._scripts import run_script
+from ._kernel._tracebacks import follow_cell_names as _follow_cell_names
 from ._kernel._warm import prefetch_at_import as _prefetch_at_import
 from ._live._magic import load_ipython_extension
 from ._live._per_rank import per_rank
@@ -140,6 +141,10 @@ _logging.getLogger(__name__).addHandler(_logging.NullHandler())
 # GPU in a cell does not poison later forks (honoured only where the user has not set it).
 _os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 _install_cuda_touch_recorder()
+
+# On IPython 7 (Colab's, Kaggle's), note each cell's file name as IPython 8 does, so that a
+# rank's traceback and a hang report say "Cell In[5]" there too.
+_follow_cell_names()
 
 # In a Jupyter kernel, import what a first DDP cell needs in the background now, so that the
 # first launch or live session inherits it (_kernel/_warm.py; NB_DIST_WARM_IMPORTS=0: off).

@@ -195,10 +195,13 @@ class Execution:
         return self
 
 
-def send(kc: BlockingKernelClient, code: str) -> Execution:
+def send(kc: BlockingKernelClient, code: str, store_history: bool = True) -> Execution:
     code = textwrap.dedent(code).strip("\n") + "\n"
     sent_at = time.monotonic()
-    msg_id = kc.execute(code, store_history=True)
+    # stop_on_error=False, as nbval sends: the harness waits for each reply before the next
+    # request, and ipykernel 6.17 (Colab's, Kaggle's) aborts a request that arrives just after
+    # an error reply when the erring request asked to stop on error.
+    msg_id = kc.execute(code, store_history=store_history, stop_on_error=False)
     return Execution(code=code, msg_id=msg_id, sent_at=sent_at)
 
 
@@ -277,10 +280,15 @@ def wait_for(
 
 
 def execute(
-    kc: BlockingKernelClient, code: str, timeout: float = 60, late_window: float = 0.0
+    kc: BlockingKernelClient,
+    code: str,
+    timeout: float = 60,
+    late_window: float = 0.0,
+    store_history: bool = True,
 ) -> Execution:
-    """Run ``code`` in the kernel and return what it published (see :func:`collect`)."""
-    return collect(kc, send(kc, code), timeout=timeout, late_window=late_window)
+    """Run ``code`` in the kernel and return what it published (see :func:`collect`);
+    ``store_history=False`` runs it as nbval does, outside the kernel's history."""
+    return collect(kc, send(kc, code, store_history), timeout=timeout, late_window=late_window)
 
 
 def line_in(code: str, marker: str) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -200,6 +201,25 @@ def test_failure_shows_root_cause_with_cell_label(kernel, tmp_path):
     ).expect_ok()
     assert again.result_text == "LaunchResult([3.0, 3.0])"
     assert f"port {port}\n" in again.stdout()
+
+
+@pytest.mark.timeout(60)
+def test_a_cell_run_outside_the_history_is_named_too(kernel):
+    """nbval runs cells without storing them in the history: a rank's traceback still names
+    the cell and line (IPython 8 keeps the map in its compiler; on IPython 7, Colab's and
+    Kaggle's, nb_dist notes each cell's file name as it is compiled)."""
+    _, kc = kernel
+    code = """
+        def unstored():
+            raise KeyError("not in the history")
+        """
+    execute(kc, code, store_history=False).expect_ok()
+    run = execute(kc, "notebook_launcher(unstored, num_processes=2)", store_history=False)
+    assert run.error is not None and run.error["ename"] == "WorkerFailedError", run.stdout()
+    text = run.error["evalue"]
+    line = line_in(code, "raise KeyError")
+    assert re.search(rf"Cell In\[\d+\], line {line}, in unstored", text), text
+    assert "ipykernel_" not in text, text
 
 
 @pytest.mark.timeout(60)

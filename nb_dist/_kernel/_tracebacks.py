@@ -45,12 +45,45 @@ def _label_from_history(shell: Any, compiler: Any, filename: str) -> str | None:
     file name to its number: the newest cell of the history whose code the kernel's compiler
     names ``filename``. ipykernel names a cell's file after a hash of its code, and the history
     keeps the code without its trailing newlines, so a few endings are tried."""
+    if filename in _cell_numbers:
+        return f"Cell In[{_cell_numbers[filename]}]"
     namer = getattr(compiler, "get_code_name", None)
     history = getattr(getattr(shell, "history_manager", None), "input_hist_raw", None)
     if namer is None or not history or not os.path.isabs(filename):
         return None
     number = _history_names(namer, history).get(filename)
     return f"Cell In[{number}]" if number is not None else None
+
+
+# On IPython 7: the file name of each cell compiled since nb_dist was imported, and of each
+# %%ranks cell's body (run on the ranks under a name made from the body): file name -> number.
+_cell_numbers: dict[str, int] = {}
+
+
+def remember_cell(filename: str, number: int) -> None:
+    """Note that ``filename`` is cell ``number``'s code, for :func:`cell_label` on IPython 7
+    (IPython 8 and later keep this map in the kernel's compiler themselves)."""
+    _cell_numbers[filename] = number
+
+
+def follow_cell_names() -> None:
+    """On IPython 7, note each cell's file name and number as the kernel compiles it, as
+    IPython 8 and later do in their compiler. The history finds only cells stored in it; a
+    cell run without history (nbval, a frontend's silent run) is found this way."""
+    compiler = getattr(ipython_shell(), "compile", None)
+    if compiler is None or hasattr(compiler, "format_code_name"):
+        return
+    cache = getattr(compiler, "cache", None)
+    if cache is None or getattr(cache, "_nb_dist_follows", False):
+        return
+
+    def following(transformed_code: str, number: int = 0, *args: Any, **kwargs: Any) -> str:
+        name: str = cache(transformed_code, number, *args, **kwargs)
+        remember_cell(name, number)
+        return name
+
+    following._nb_dist_follows = True  # type: ignore[attr-defined]
+    compiler.cache = following
 
 
 # The names of the history's cells, kept until the history grows: a spawn launch asks for

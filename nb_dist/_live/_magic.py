@@ -16,6 +16,7 @@ from typing import Any
 
 from .._kernel._result import LaunchResult
 from .._kernel._scripts import torchrun_magic
+from .._kernel._tracebacks import remember_cell
 from ._ranks import UNSET, Ranks, SessionError, current
 
 
@@ -105,6 +106,7 @@ def ranks_magic(line: str, cell: str | None = None) -> Any:
     if shell is not None:
         source = shell.transform_cell(cell)
         filename = shell.compile.cache(source, shell.execution_count, raw_code=cell)
+        remember_cell(filename, shell.execution_count)
     timeout = options.timeout if options.timeout is not None else UNSET
     chosen = _ranks_option(options.rank)
     result = session.exec(source, rank=chosen, timeout=timeout, filename=filename)
