@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -253,3 +254,69 @@ def test_no_student_edition_gives_a_prediction_away():
             if exercise.key.startswith("answer = "):
                 line = exercise.key.splitlines()[0].split("#")[0].strip()
                 assert json.dumps(line)[1:-1] not in student, (source.name, exercise.id, line)
+
+
+# ------------------------------------------------------------------ Colab, Kaggle and Binder
+REPOSITORY = "nb-dist/nb_dist"
+EVERY_NOTEBOOK = sorted(NOTEBOOKS.glob("*.ipynb")) + sorted(NOTEBOOKS.glob("student/*.ipynb"))
+
+
+def _first(notebook: dict, cell_type: str) -> str:
+    cell = next(c for c in notebook["cells"] if c["cell_type"] == cell_type)
+    return "".join(cell["source"])
+
+
+@pytest.mark.parametrize("path", EVERY_NOTEBOOK, ids=lambda p: str(p.relative_to(NOTEBOOKS)))
+def test_every_notebook_opens_itself_on_binder_colab_and_kaggle(path):
+    """The badges under each title open that very notebook (a student edition, its own)."""
+    title = _first(json.loads(path.read_text()), "markdown")
+    where = path.relative_to(NOTEBOOKS.parent).as_posix()
+    for url in (
+        f"https://mybinder.org/v2/gh/{REPOSITORY}/HEAD?urlpath=lab/tree/{where})",
+        f"https://colab.research.google.com/github/{REPOSITORY}/blob/main/{where})",
+        f"https://kaggle.com/kernels/welcome?src=https://github.com/{REPOSITORY}/blob/main/{where})",
+    ):
+        assert url in title, f"{where}: no link {url}"
+
+
+def _install_cells() -> set[str]:
+    return {_first(json.loads(p.read_text()), "code") for p in EVERY_NOTEBOOK}
+
+
+def test_every_notebook_starts_with_the_same_platform_install_cell():
+    cells = _install_cells()
+    assert len(cells) == 1, "the first code cells differ between notebooks"
+    (cell,) = cells
+    assert '%pip install --quiet "nb-dist @ git+https://github.com/nb-dist/nb_dist"' in cell
+    assert '"COLAB_RELEASE_TAG" in os.environ or "KAGGLE_KERNEL_RUN_TYPE" in os.environ' in cell
+
+
+def _run_in_ipython(code: str, **environment: str) -> subprocess.CompletedProcess[str]:
+    """``code`` as a cell of a real IPython (magics and all), in a clean environment."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("COLAB_RELEASE_TAG", "KAGGLE_KERNEL_RUN_TYPE")}  # fmt: skip
+    run = ("from IPython.testing.globalipapp import start_ipython\n"
+           "import sys\n"
+           "start_ipython().run_cell(sys.stdin.read())\n")  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-c", run], input=code, capture_output=True, text=True,
+        env={**env, **environment}, timeout=120, check=True,
+    )  # fmt: skip
+
+
+def test_the_install_cell_does_nothing_off_the_platforms():
+    (cell,) = _install_cells()
+    done = _run_in_ipython(cell)
+    assert done.stdout.strip() == "", done.stdout
+
+
+@pytest.mark.parametrize("platform", ["COLAB_RELEASE_TAG", "KAGGLE_KERNEL_RUN_TYPE"])
+def test_the_install_cell_runs_pip_on_colab_and_on_kaggle(platform):
+    """On the platform, the cell asks pip for nb_dist: here pointed at this tree, as a dry run
+    (nothing installed, no network), so that pip's answer shows the cell ran it."""
+    (cell,) = _install_cells()
+    here = f"nb-dist @ {NOTEBOOKS.parent.as_uri()}"
+    cell = cell.replace("nb-dist @ git+https://github.com/nb-dist/nb_dist", here)
+    cell = cell.replace("--quiet", "--dry-run --no-deps --no-build-isolation")
+    done = _run_in_ipython(cell, **{platform: "1"})
+    assert "Would install nb-dist" in done.stdout + done.stderr, done.stdout + done.stderr

@@ -6,13 +6,15 @@ source is the answer, ``blank`` is what the student gets (with ``...`` where the
 ``wrong`` a plausible wrong answer (the exercise tests run it and expect the check to fail).
 The next code cell checks the answer. A cell with ``"edition": "solutions"`` in its metadata
 exists only in the solutions edition. The student edition carries no outputs and no key: each
-code cell is tagged ``nbval-ignore-output``, so nbval runs it and fails only on errors.
+code cell is tagged ``nbval-ignore-output``, so nbval runs it and fails only on errors. Its
+"open in" badges (Binder, Colab, Kaggle) open the student edition.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,6 +101,7 @@ def student_edition(notebook: Notebook) -> Notebook:
             if "nbval-ignore-output" not in tags:
                 tags.append("nbval-ignore-output")
         cells.append(cell)
+    _link_to_student_edition(cells)
     banner: Cell = {
         "cell_type": "markdown",
         "id": "student-edition",
@@ -108,6 +111,20 @@ def student_edition(notebook: Notebook) -> Notebook:
     cells.insert(1 if cells and cells[0]["cell_type"] == "markdown" else 0, banner)
     student["cells"] = cells
     return student
+
+
+# A link to a notebook of the solutions edition in the repository (the Binder, Colab and Kaggle
+# badges of a notebook's first cell): "notebooks/NAME.ipynb" at the end of a URL's path.
+_SOLUTIONS_LINK = re.compile(r"(/notebooks/)([^/()\s]+\.ipynb)(?=\))")
+
+
+def _link_to_student_edition(cells: list[Cell]) -> None:
+    """Point the first markdown cell's "open in" badges at the student edition itself."""
+    for cell in cells:
+        if cell["cell_type"] == "markdown":
+            text = _SOLUTIONS_LINK.sub(r"\1student/\2", _source(cell))
+            cell["source"] = _lines(text)
+            return
 
 
 def dumps(notebook: Notebook) -> str:
