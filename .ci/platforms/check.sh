@@ -1,5 +1,9 @@
 #!/usr/bin/env bash
-# nb_dist on a platform's versions: bash .ci/platforms/check.sh kaggle|colab
+# nb_dist on a platform's versions: bash .ci/platforms/check.sh kaggle|colab [--download DIR]
+#
+# With --download DIR it only downloads the profile's wheels into DIR (torch's CUDA build is
+# gigabytes: .ci/run does this in the background while the suite runs); a later check takes
+# them from there when PROFILE_WHEELS=DIR is set.
 #
 # 1. A fresh venv of the platform's Python (pyenv) gets the platform's packages, exactly as
 #    .ci/platforms/NAME.txt pins them (make_profile.py writes it from the platform's freeze).
@@ -10,7 +14,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
-name=${1:?usage: .ci/platforms/check.sh kaggle|colab}
+name=${1:?usage: .ci/platforms/check.sh kaggle|colab [--download DIR]}
 profile=.ci/platforms/$name.txt
 version=$(sed -nE 's/^# python-version: ([0-9.]+)$/\1/p' "$profile")
 started=$SECONDS
@@ -26,11 +30,20 @@ if [ -z "$python" ]; then
     exit 1
 fi
 
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+if [ "${2:-}" = --download ]; then
+    "$python" -m pip download --quiet --dest "${3:?--download needs a folder}" -r "$profile"
+    echo "== $name profile: wheels downloaded in $((SECONDS - started)) s"
+    exit 0
+fi
+if [ -n "${PROFILE_WHEELS:-}" ]; then
+    export PIP_FIND_LINKS="$PROFILE_WHEELS ${PIP_FIND_LINKS:-}"
+fi
+
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
 "$python" -m venv "$scratch/venv"
 py="$scratch/venv/bin/python"
-export PIP_DISABLE_PIP_VERSION_CHECK=1
 echo "== $name profile: Python $("$py" -c 'import platform; print(platform.python_version())'), $(grep -c '==' "$profile") packages"
 "$py" -m pip install --quiet -r "$profile"
 "$py" .ci/platforms/unchanged.py --record "$scratch/platform.txt"
