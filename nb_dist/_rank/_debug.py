@@ -104,11 +104,22 @@ def ask(text: str, prompt: str | None, unanswered: str = "goes on", where: str =
 class _NotebookPdb(pdb.Pdb):
     """pdb whose commands come from the notebook (see the module docstring)."""
 
-    def __init__(self, on_eof: str) -> None:
+    def __init__(self, on_eof: str, at_next_line: bool = False) -> None:
         self.io = _PromptIO(on_eof, self._where)
         super().__init__(stdin=self.io, stdout=self.io, nosigint=True, readrc=False)  # type: ignore[arg-type]
         self.use_rawinput = False
         self.prompt = "(Pdb) "
+        self._at_next_line = at_next_line
+
+    def set_stepinstr(self) -> None:
+        # Python 3.13's set_trace steps by instruction, so pdb stops at the caller's own line
+        # (the breakpoint call); nb_dist.breakpoint() stops at the next line on every Python,
+        # as on 3.12 and before (its docs, notebooks and the rank's "stopped at" say so).
+        if self._at_next_line:
+            self._at_next_line = False
+            self.set_step()
+        else:
+            super().set_stepinstr()  # type: ignore[misc]
 
     def _where(self) -> str:
         """The current frame as a traceback line, plain (pdb's own rendering has IPython's
@@ -172,11 +183,13 @@ def breakpoint(rank: int = 0) -> None:
         # Every rank meets here; the others then wait for the paused one in its next collective.
         dist.barrier()
     if _state.rank == rank:
-        _stop_here(frame)
+        _stop_here(frame, at_next_line=True)
 
 
-def _stop_here(frame: types.FrameType, header: str | None = None) -> None:
-    debugger = _NotebookPdb(on_eof="continue")
+def _stop_here(
+    frame: types.FrameType, header: str | None = None, at_next_line: bool = False
+) -> None:
+    debugger = _NotebookPdb(on_eof="continue", at_next_line=at_next_line)
     if header is not None:
         debugger.message(header)
     debugger.message(f"rank {_state.rank} paused; c goes on, q stops the function")
