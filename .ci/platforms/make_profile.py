@@ -83,14 +83,10 @@ def index_pins(pins: dict[str, str]) -> dict[str, str]:
     return {name: version for name, version in pins.items() if not _cuda_library(name)}
 
 
-def resolve(pins: dict[str, str]) -> dict[str, str]:
-    """The closure of ROOTS as pip resolves it with every platform pin as a constraint."""
-    missing = [root for root in ROOTS if _normal(root) not in pins]
-    if missing:
-        sys.exit(f"the freeze has no {', '.join(missing)}: is it a platform's full freeze?")
+def resolve(held: dict[str, str]) -> dict[str, str]:
+    """The closure of ROOTS as pip resolves it with every held platform pin as a constraint."""
     with tempfile.TemporaryDirectory() as scratch:
         constraints = Path(scratch, "platform.txt")
-        held = index_pins(pins)
         constraints.write_text("".join(f"{n}=={v}\n" for n, v in sorted(held.items())))
         report = Path(scratch, "report.json")
         subprocess.run(
@@ -122,8 +118,11 @@ def main() -> None:
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args()
     pins = read_freeze(args.freeze)
-    resolved = resolve(pins)
+    missing = [root for root in ROOTS if _normal(root) not in pins]
+    if missing:
+        sys.exit(f"the freeze has no {', '.join(missing)}: is it a platform's full freeze?")
     held = index_pins(pins)
+    resolved = resolve(held)
     drifted = {n: v for n, v in resolved.items() if n in held and held[n] != v}
     if drifted:
         sys.exit(f"pip resolved other versions than the platform's: {drifted}")
