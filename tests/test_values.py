@@ -129,8 +129,10 @@ def test_ranks_return_tensors_of_every_kind_through_a_real_launch(method):
 
 def test_a_result_its_bytes_and_the_idle_cross_one_pipe_in_order():
     """``send_result`` frames as ``Connection.send_bytes`` does and resumes partial writes:
-    a value larger than the pipe arrives whole, then the message after it."""
+    a value larger than the pipe arrives whole, then the message after it, read as the kernel
+    reads a control pipe (``ControlReader``, a turn at a time)."""
     import multiprocessing
+    import select
     import threading
 
     from nb_dist._shared import _protocol
@@ -144,12 +146,17 @@ def test_a_result_its_bytes_and_the_idle_cross_one_pipe_in_order():
         args=(writer, result, data, buffers, _protocol.Idle(1, 0)),
     )
     sender.start()
+    control = _protocol.ControlReader(reader)
+    arrived: list = []
     try:
-        assert _protocol.decode(reader.recv_bytes()) == result
-        got = _protocol.read_raw(reader, result.size)
-        parts = [_protocol.read_raw(reader, n) for n in result.buffers]
-        assert torch.equal(_values.loads(got, parts)["w"], value["w"])
-        assert _protocol.decode(reader.recv_bytes()) == _protocol.Idle(1, 0)
+        while len(arrived) < 2 and not control.closed:
+            select.select([reader], [], [], 5.0)
+            arrived += control.read()
+        assert not control.closed and len(arrived) == 2, arrived
+        value_in, idle = arrived
+        assert isinstance(value_in, _protocol.Value) and value_in.result == result
+        assert torch.equal(_values.loads(value_in.data, value_in.buffers)["w"], value["w"])
+        assert idle == _protocol.Idle(1, 0)
     finally:
         sender.join()
         reader.close()
@@ -177,3 +184,119 @@ def test_a_small_value_and_the_idle_after_it_arrive_in_one_read():
     finally:
         writer.close()
         os.close(read_fd)
+
+
+# ----------------------------------------------------------------------------- in transit
+def _stream() -> tuple[bytes, list]:
+    """A control stream as a rank writes it, and what the kernel must make of it: a message,
+    a value with a buffer, a frame that is not a message, and the message after it."""
+    from nb_dist._shared import _protocol
+
+    hello = _protocol.Hello(11, 22, 1.5)
+    value = {"w": torch.arange(BIG // 4, dtype=torch.float32), "name": "x"}
+    data, buffers = _values.dumps(value)
+    result = _protocol.Result(0.25, len(data), tuple(b.nbytes for b in buffers))
+    stranger = pickle.dumps({"not": "a message"})
+    raw = (
+        _protocol._frame(hello) + _protocol._frame(result) + bytes(data)
+        + b"".join(bytes(b) for b in buffers)
+        + len(stranger).to_bytes(4, "big", signed=True) + stranger
+        + _protocol._frame(_protocol.Idle(2, 5))
+    )  # fmt: skip
+    return raw, [hello, (result, value), TypeError, _protocol.Idle(2, 5)]
+
+
+@pytest.mark.parametrize("piece", [1, 7, 4096, 60000])  # a pipe holds 64 kB
+def test_the_control_pipe_is_parsed_as_its_bytes_arrive_in_any_pieces(piece):
+    """The kernel's reader never waits for the rest of a frame or a value: pieces of any size
+    (a byte at a time, a value cut in two) give the same messages in the same order."""
+    import os
+    from multiprocessing.connection import Connection
+
+    from nb_dist._shared import _protocol
+
+    raw, expected = _stream()
+    read_fd, write_fd = os.pipe()
+    conn = Connection(read_fd, writable=False)
+    reader = _protocol.ControlReader(conn)
+    arrived: list = []
+    try:
+        for at in range(0, len(raw), piece):
+            os.write(write_fd, raw[at : at + piece])
+            arrived += reader.read()  # returns at once with what is whole
+            assert not reader.closed
+        os.close(write_fd)
+        write_fd = -1
+        arrived += reader.read()
+        assert reader.closed and not reader.in_transit
+    finally:
+        conn.close()
+        if write_fd >= 0:
+            os.close(write_fd)
+    assert len(arrived) == len(expected), arrived
+    assert arrived[0] == expected[0] and arrived[3] == expected[3]
+    assert isinstance(arrived[2], expected[2])
+    result, value = expected[1]
+    assert isinstance(arrived[1], _protocol.Value) and arrived[1].result == result
+    back = _values.loads(arrived[1].data, arrived[1].buffers)
+    assert back["name"] == "x" and torch.equal(back["w"], value["w"])
+
+
+def test_a_value_cut_off_by_the_ranks_death_is_dropped_and_the_pipe_reads_as_closed():
+    import os
+    from multiprocessing.connection import Connection
+
+    from nb_dist._shared import _protocol
+
+    read_fd, write_fd = os.pipe()
+    conn = Connection(read_fd, writable=False)
+    reader = _protocol.ControlReader(conn)
+    try:
+        os.write(write_fd, _protocol._frame(_protocol.Result(0.1, 1000)) + b"x" * 10)
+        assert reader.read() == [] and reader.in_transit and not reader.closed
+        os.close(write_fd)
+        assert reader.read() == [] and reader.closed
+    finally:
+        conn.close()
+
+
+def _returns_megabytes(mb):
+    import os
+
+    rank = int(os.environ["RANK"])
+    return torch.full((mb * 262144,), float(rank))  # mb MB of float32
+
+
+@pytest.mark.timeout(240)
+def test_four_ranks_each_returning_64_mb_arrive_whole():
+    """Every rank's value at once: the kernel reads each as its bytes arrive (one rank's
+    value in transit never waits for another's)."""
+    result = notebook_launcher(_returns_megabytes, (64,), num_processes=4, timeout=200)
+    for rank, value in enumerate(result):
+        assert value.shape == (64 * 262144,)
+        assert bool((value == rank).all())
+
+
+def _stalls_inside_its_value():
+    """Announce a 1 MB value, send 1000 bytes of it, and stop there (a rank frozen while
+    sending, as a stopped or swapped-out process is)."""
+    import os
+    import time
+
+    from nb_dist._shared import _protocol, _reporting
+
+    control = _reporting._sink._control
+    os.write(control.fileno(), _protocol._frame(_protocol.Result(0.0, 1 << 20)) + b"\0" * 1000)
+    time.sleep(300)
+
+
+@pytest.mark.timeout(120)
+def test_the_timeout_fires_while_a_value_is_in_transit():
+    from nb_dist import LaunchTimeoutError
+
+    began = __import__("time").monotonic()
+    with pytest.raises(LaunchTimeoutError) as caught:
+        notebook_launcher(_stalls_inside_its_value, num_processes=2, timeout=3)
+    took = __import__("time").monotonic() - began
+    assert {o.status for o in caught.value.outcomes} == {"stopped"}, caught.value.outcomes
+    assert took < 3 + 30, took  # the timeout, then the report and the teardown

@@ -5,7 +5,11 @@ Runs in the kernel. For each rank the kernel makes its usual pipes (``Rank.open_
 ends a local worker would hold stay here. :class:`Forwarder` long-polls every node agent
 (``_node/_agent.py``) in one thread and writes the raw bytes it gets into those write ends
 (raw bytes keep the control pipe's framing, so the kernel's parsing is unchanged), copies
-each rank's collective counter into the kernel's mirror file, and records exit codes; a
+each rank's collective counter into the kernel's mirror file, and records exit codes and
+when each rank ended on its node's clock. The writes never block: what a full pipe cannot
+take waits in the link's backlog, written as the kernel reads, while every other rank's
+bytes go on flowing (two ranks returning 64 MB each cannot wait on each other); an agent
+with a large backlog is polled again once it has shrunk, so memory stays bounded. A
 second thread reads the ``commands`` pipes (kernel → rank) and sends what it reads to the
 agents: to each agent in order, to different agents at once (a live cell's command reaches
 every node in one round trip, not one per node). :class:`RemoteProcess` is a rank's process
@@ -16,9 +20,11 @@ its failure.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
+import select
 import selectors
 import signal
 import threading
@@ -34,17 +40,24 @@ from .._node._outbox import Batch
 POLL_WAIT = 0.25
 #: Seconds an agent call may take before the agent counts as gone.
 CALL_LIMIT = 30.0
+#: An agent is not polled again while this many of its bytes wait for the kernel to read.
+BACKLOG_LIMIT = 16 << 20
+#: How long the poll thread waits for a full pipe to take more before it looks at the
+#: agents' answers again.
+BACKLOG_WAIT = 0.01
 
 OnLost = Callable[[str, float], None]
 _log = logging.getLogger(__name__)
 
 
 class AgentLink:
-    """The kernel's side of one agent in one run: the local pipe ends of its ranks, their
-    exit codes, and whether the agent was lost (and why)."""
+    """The kernel's side of one agent in one run: the local pipe ends of its ranks, the bytes
+    still to write into them, their exit codes, and whether the agent was lost (and why)."""
 
-    def __init__(self, ray: Any, actor: Any, run: int, where: str) -> None:
+    def __init__(self, ray: Any, actor: Any, run: int, where: str, offset: float = 0.0) -> None:
         self.ray, self.actor, self.run, self.where = ray, actor, run, where
+        #: Added to a time on the node's monotonic clock to put it on the kernel's.
+        self.offset = offset
         self.writers: dict[tuple[int, str], Connection] = {}
         self.commands: dict[int, Connection] = {}
         self.mirrors: dict[int, str] = {}
@@ -52,10 +65,17 @@ class AgentLink:
         #: Ranks still running when the agent was lost (their end is the loss).
         self.ended_by_loss: set[int] = set()
         self._exits: dict[int, int] = {}
+        self._ended: dict[int, float] = {}  # when each rank ended, on the kernel's clock
         self._lock = threading.Lock()
         self.lost: str | None = None
         self.lost_at: float | None = None
         self._sent: Any = None  # the last send_in_order call's reference
+        # Bytes a full pipe could not take yet, by pipe; pipes to close once written; exits
+        # noted once their rank's bytes are all written (only the poll thread uses these).
+        self._backlog: dict[tuple[int, str], collections.deque[memoryview]] = {}
+        self._closing: set[tuple[int, str]] = set()
+        self._held_exits: dict[int, tuple[int, float]] = {}
+        self.backlog_bytes = 0
 
     def add_rank(self, position: int, theirs: dict[str, Connection], mirror: str | None) -> None:
         """Rank ``position`` of this agent: the worker's ends of its local pipes."""
@@ -64,6 +84,7 @@ class AgentLink:
             if kind == "commands":
                 self.commands[position] = conn
             else:
+                os.set_blocking(conn.fileno(), False)  # see deliver()
                 self.writers[(position, kind)] = conn
         if mirror:
             self.mirrors[position] = mirror
@@ -105,20 +126,32 @@ class AgentLink:
         with self._lock:
             return self._exits.get(position)
 
-    def set_exit(self, position: int, code: int) -> None:
+    def ended_at(self, position: int) -> float | None:
+        """When the rank ended as its node saw it, on the kernel's clock (if it has)."""
         with self._lock:
-            self._exits.setdefault(position, code)
+            return self._ended.get(position)
+
+    def set_exit(self, position: int, code: int, at: float | None = None) -> None:
+        with self._lock:
+            if position not in self._exits:
+                self._exits[position] = code
+                if at is not None:
+                    self._ended[position] = at
 
     def deliver(self, batch: Batch) -> None:
-        """Write a poll's bytes into the local pipes, then note counters and exits."""
+        """Queue a poll's bytes for the local pipes and write what they take now; note the
+        counters; note each exit once its rank's bytes are all written (the kernel reads a
+        rank's last output and its value before it learns that the rank ended)."""
         for position, kind, data in batch.chunks:
-            writer = self.writers.get((position, kind))
-            if writer is None:
+            key = (position, kind)
+            if key not in self.writers:
                 continue
-            if len(data) and _write_all(writer, data):
-                continue
-            writer.close()  # the pipe closed on the node (or nobody reads here any more)
-            del self.writers[(position, kind)]
+            if len(data):
+                view = memoryview(data).cast("B")
+                self._backlog.setdefault(key, collections.deque()).append(view)
+                self.backlog_bytes += view.nbytes
+            else:
+                self._closing.add(key)  # the pipe closed on the node
         for position, raw in batch.counters.items():
             mirror = self.mirrors.get(position)
             if mirror is not None:
@@ -128,8 +161,46 @@ class AgentLink:
                         os.pwrite(fd, raw, 0)
                     finally:
                         os.close(fd)
-        for position, code in batch.exits.items():
-            self.set_exit(position, code)
+        for position, (code, at) in batch.exits.items():
+            self._held_exits[position] = (code, at + self.offset)
+        self.flush()
+
+    def flush(self) -> None:
+        """Write what each pipe takes now, never waiting for one: a full pipe keeps its
+        bytes for a later turn, and every other pipe is written meanwhile."""
+        for key in list(self._backlog):
+            queue = self._backlog[key]
+            writer = self.writers.get(key)
+            if writer is None:  # pragma: no cover - a pipe is closed only once its bytes are out
+                queue.clear()
+            try:
+                while queue and writer is not None:
+                    written = os.write(writer.fileno(), queue[0])
+                    self.backlog_bytes -= written
+                    queue[0] = queue[0][written:]
+                    if not queue[0].nbytes:
+                        queue.popleft()
+            except BlockingIOError:
+                continue
+            except OSError:  # nobody reads here any more: drop the bytes, close the pipe
+                self._closing.add(key)
+            self.backlog_bytes -= sum(view.nbytes for view in queue)
+            del self._backlog[key]
+        for key in [k for k in self._closing if k not in self._backlog]:
+            self._closing.discard(key)
+            writer = self.writers.pop(key, None)
+            if writer is not None:
+                writer.close()
+        for position in [p for p in self._held_exits if not self._waiting(p)]:
+            code, at = self._held_exits.pop(position)
+            self.set_exit(position, code, at)
+
+    def _waiting(self, position: int) -> bool:
+        return any(key[0] == position for key in self._backlog)
+
+    def blocked(self) -> list[int]:
+        """The file descriptors of pipes whose bytes wait for room."""
+        return [self.writers[key].fileno() for key in self._backlog if key in self.writers]
 
     def lose(self, reason: str, close_pipes: bool = False) -> None:
         """The agent is gone: every rank of it has ended, with ``reason``. Only the poll
@@ -145,6 +216,8 @@ class AgentLink:
         if close_pipes:
             for key in list(self.writers):
                 self.writers.pop(key).close()
+            self._backlog.clear()
+            self.backlog_bytes = 0
 
     def close(self) -> None:
         """Close every local end still open (after the run)."""
@@ -161,6 +234,9 @@ class RemoteProcess:
         self.pid = pid
         self._link, self._position, self._on_lost = link, position, on_lost
         self._told = False
+
+    def ended_at(self) -> float | None:
+        return self._link.ended_at(self._position)
 
     def exit_code(self) -> int | None:
         code = self._link.exit_code(self._position)
@@ -228,10 +304,19 @@ class Forwarder:
     def _poll_agents(self) -> None:
         ray = self.ray
         pending = {link.actor.poll.remote(link.run, POLL_WAIT): link for link in self.links}
-        while pending and not self._stop.is_set():
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_WAIT)
-            if ready and len(pending) > 1:  # the other agents that answered meanwhile too
-                ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
+        parked: list[AgentLink] = []  # answered, not polled again until their backlog shrinks
+        while (pending or parked or self._backlogged()) and not self._stop.is_set():
+            wait = POLL_WAIT
+            if self._backlogged():
+                _wait_for_room(self._backlogged(), BACKLOG_WAIT)
+                for link in self.links:
+                    link.flush()
+                wait = 0.0
+            ready: list[Any] = []
+            if pending:
+                ready, _ = ray.wait(list(pending), num_returns=1, timeout=wait)
+                if ready and len(pending) > 1:  # the other agents that answered meanwhile too
+                    ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
             again = []
             for ref in ready:
                 link = pending.pop(ref)
@@ -246,9 +331,20 @@ class Forwarder:
                 if not batch.over:
                     again.append(link)
             # Polled again only once every answer is delivered: each call costs a little,
-            # and a rank's output or value waits for none of them.
-            for link in again:
-                pending[link.actor.poll.remote(link.run, POLL_WAIT)] = link
+            # and a rank's output or value waits for none of them. An agent whose bytes the
+            # kernel has not read yet waits (its ranks' pipes on the node fill, and they wait).
+            for link in [*parked, *again]:
+                if link.backlog_bytes > BACKLOG_LIMIT and link.lost is None:
+                    if link not in parked:
+                        parked.append(link)
+                    continue
+                if link in parked:
+                    parked.remove(link)
+                if link.lost is None:
+                    pending[link.actor.poll.remote(link.run, POLL_WAIT)] = link
+
+    def _backlogged(self) -> list[int]:
+        return [fd for link in self.links for fd in link.blocked()]
 
     def _commands(self) -> None:
         selector = selectors.DefaultSelector()
@@ -277,14 +373,13 @@ class Forwarder:
                 link.settle()
 
 
-def _write_all(writer: Connection, data: Any) -> bool:
-    view = memoryview(data)
-    try:
-        while view:
-            view = view[os.write(writer.fileno(), view) :]
-    except OSError:
-        return False
-    return True
+def _wait_for_room(fds: list[int], timeout: float) -> None:
+    """Wait up to ``timeout`` s until one of the pipes ``fds`` can take bytes."""
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLOUT)
+    with contextlib.suppress(OSError):
+        poller.poll(timeout * 1000)
 
 
 def _is_gone(ray: Any, exc: BaseException) -> bool:

@@ -3,9 +3,9 @@
 Runs in the kernel. A :class:`Gang` reserves the placement group (``_placement.py``), starts
 one ``NodeAgent`` actor in each bundle (holding the whole bundle, so its ranks have the
 resources), asks each where it is, and is kept across launches (warm relaunches: the agents
-and their fork servers stay) until the cluster is closed, the kernel is interrupted, or a
-node is lost. :func:`layout` gives each rank its node and local rank by Ray node id (not
-by address: nodes may share one). :meth:`Gang.start` starts one run's ranks on the agents and
+and their fork servers stay, also across ■) until the cluster is closed or a node is lost.
+:func:`layout` gives each rank its node and local rank by Ray node id (not by address: nodes
+may share one). :meth:`Gang.start` starts one run's ranks on the agents and
 returns their forwarder.
 """
 
@@ -190,7 +190,7 @@ class Gang:
                 self.measure_clocks()
         run, lay = next(_runs), self.layout
         links = [
-            AgentLink(self.ray, actor, run, self.nodes[i].address)
+            AgentLink(self.ray, actor, run, self.nodes[i].address, self.clock_offsets[i])
             for i, actor in enumerate(self.agents)
         ]
         for rank in range(len(specs)):

@@ -262,7 +262,7 @@ class ClusterSupervisor(Supervisor):
         def lost(reason: str, at: float) -> None:
             # Even for a rank being stopped: another rank's failure may be the loss's first
             # sign (its peer's connection closed) and the stop its consequence. nb_dist never
-            # loses an agent during a run itself (■ gives the agents back after the run).
+            # loses an agent during a run itself (■ ends the run and keeps the agents).
             if worker.failure is None:
                 worker.failure = _protocol.Failed(
                     "NodeLostError",

@@ -4,9 +4,10 @@ Runs in the kernel. ``notebook_launcher(fn, num_processes=8, cluster=RayCluster(
 gives the launch to the cluster (``_kernel/_backend.py``): it reserves one placement-group
 bundle per node (``processes_per_node`` ranks' ``resources_per_rank`` each), puts a node
 agent in each and keeps them for later launches (the next launch reuses the agents and
-their fork servers), and runs each attempt over them (``_launch.py``). :meth:`close` (or
-the end of a ``with`` block, or an interrupted launch, or a lost node) gives the agents and
-the placement group back; when the kernel dies, Ray removes both with its driver.
+their fork servers), and runs each attempt over them (``_launch.py``). ■ stops the ranks
+and keeps the agents warm; :meth:`close` (or the end of a ``with`` block, or a lost node)
+gives the agents and the placement group back; when the kernel dies, Ray removes both with
+its driver.
 """
 
 from __future__ import annotations
@@ -130,8 +131,12 @@ class RayCluster:
         )
 
     def interrupted(self) -> None:
-        """■ gives everything back: the agents and the placement group."""
-        self._release()
+        """■ stopped the ranks (the run ended on every agent as the supervisor closed); the
+        agents and their fork servers stay warm for the next launch, unless one no longer
+        answers (then all are given back now, not at the next launch)."""
+        gang = self._gang
+        if gang is not None and gang.session is None and not gang.healthy():
+            self._release()
 
     # ------------------------------------------------------------------ the agents
     def _gang_for(self, nprocs: int, method: str) -> Gang:

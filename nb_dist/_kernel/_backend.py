@@ -7,7 +7,8 @@ shipped by value) and :meth:`ClusterBackend.attempt` runs one attempt (instead o
 store and processes: the cluster's agents start the ranks, and their pipes are forwarded into
 local ones, so the supervisor, the output, the diagnosis and the results are the local
 ones). After an interrupt the launcher calls :meth:`ClusterBackend.interrupted` so the
-cluster gives its resources back; live ranks start through :meth:`ClusterBackend.start_session`.
+cluster checks what it keeps for the next launch; live ranks start through
+:meth:`ClusterBackend.start_session`.
 ``nb_dist._cluster.RayCluster`` is the one implementation;
 this module names only the protocol, so the kernel never imports a cluster engine.
 """
@@ -42,5 +43,6 @@ class ClusterBackend(Protocol):
         ...
 
     def interrupted(self) -> None:
-        """The launch was interrupted: give back what the cluster holds for it."""
+        """The launch was interrupted (its ranks are stopped): keep what is still sound for
+        the next launch, give back what is not."""
         ...

@@ -47,6 +47,11 @@ class WorkerProcess(Protocol):
         zombie still reserves the group's id. Asked again, it gives the same code.
         """
 
+    def ended_at(self) -> float | None:
+        """When it ended on this process's monotonic clock, where that is known better than
+        the moment its exit code was read (a rank on another machine: when its node saw it
+        end); else ``None``."""
+
     def send_signal(self, sig: int) -> None:
         """Signal its whole process group (and the worker itself, if the group is gone)."""
 
@@ -113,6 +118,9 @@ class _Forked:
         signal_group(self.pid, signal.SIGKILL, group_only=True)
         return self._reap()  # it has ended: a zombie is reaped at once
 
+    def ended_at(self) -> float | None:
+        return None  # a child of this process: noticed as it ends
+
     def send_signal(self, sig: int) -> None:
         if self._code is None:
             signal_group(self.pid, sig)
@@ -163,6 +171,9 @@ class _FromForkserver:
         if code is not None:
             signal_group(self.pid, signal.SIGKILL, group_only=True)
         return code  # type: ignore[no-any-return]
+
+    def ended_at(self) -> float | None:
+        return None  # a child of this machine's fork server: noticed as it ends
 
     def send_signal(self, sig: int) -> None:
         signal_group(self.pid, sig)

@@ -200,7 +200,7 @@ def _release(
     rank: Rank, lifeline: Connection | None, on_release: Callable[[], None] | None
 ) -> None:
     if rank.alive and rank.process is not None:
-        rank.stop_requested = True
+        rank.request_stop()
         rank.returncode = rank.process.kill_and_reap()
     for conn in rank.kernel_ends():
         with contextlib.suppress(OSError):

@@ -110,26 +110,26 @@ class Pump:
                 if not rank.read_stream(kind, router):
                     self.remove(rank.pipes[kind])
                 continue
-            try:
-                message = rank.read_message()
-            except Exception as exc:
-                notice(
-                    f"could not read a message from rank {rank.outcome.rank} "
-                    f"({type(exc).__name__}: {exc})."
-                )
-                continue
-            if message is None:
+            for item in rank.read_control():
+                if isinstance(item, Exception):
+                    notice(
+                        f"could not read a message from rank {rank.outcome.rank} "
+                        f"({type(item).__name__}: {item})."
+                    )
+                else:
+                    on_message(rank, item)
+            if rank.control_closed:
                 self.remove(rank.pipes["control"])
-            else:
-                on_message(rank, message)
 
     def close(self) -> None:
         self._selector.close()
 
 
 def poll_exit(rank: Rank, now: float) -> None:
-    """Note ``rank``'s exit code (and when) if its process has ended."""
+    """Note ``rank``'s exit code (and when: ``now``, or when its node saw it end) if its
+    process has ended."""
     if rank.alive and rank.process is not None:
         code = rank.process.exit_code()
         if code is not None:
             rank.returncode, rank.exited_at = code, now
+            rank.ended_at = rank.process.ended_at() or now

@@ -48,6 +48,7 @@ class Rank:
         self.process: WorkerProcess | None = None
         self.pipes: dict[str, Connection] = {}
         self.commands: Connection | None = None  # kernel → worker
+        self.control: _protocol.ControlReader | None = None  # reads pipes["control"]
         self.splitters = {"stdout": LineSplitter(), "stderr": LineSplitter()}
         self.stack = bytearray()
         self.thread_ident: int | None = None  # from Hello: whose stack to read
@@ -59,9 +60,15 @@ class Rank:
         #: machine, the node's measured offset for a rank on a cluster node.
         self.clock_offset = 0.0
         self.returncode: int | None = None
+        #: When the kernel learned that the rank ended (its pipes are drained from then on),
+        #: and when it ended (earlier for a rank on another node: its node's report).
         self.exited_at: float | None = None
+        self.ended_at: float | None = None
         self.control_closed_at: float | None = None
         self.stop_requested = False
+        #: When the kernel first asked it to stop: a rank that had died before that (seen
+        #: late, on another node) failed on its own; it was not stopped.
+        self.stop_requested_at: float | None = None
         # The rank's debugger (_debug.py): its prompt waiting for a line, what it printed.
         self.prompt: _protocol.DebugPrompt | None = None
         self.debugging = False
@@ -79,7 +86,13 @@ class Rank:
         )  # fmt: skip
         self.value, self.result, self.failure = None, None, None
         self.stack.clear()
-        self.stop_requested = False
+        self.stop_requested, self.stop_requested_at = False, None
+
+    def request_stop(self) -> None:
+        """The kernel is stopping this rank (its end is then not a failure of its own)."""
+        self.stop_requested = True
+        if self.stop_requested_at is None:
+            self.stop_requested_at = time.monotonic()
 
     @property
     def alive(self) -> bool:
@@ -96,6 +109,7 @@ class Rank:
         way (the debugger's answers, a live rank's tasks)."""
         ends = {kind: multiprocessing.Pipe(duplex=False) for kind in PIPES}
         self.pipes = {kind: reader for kind, (reader, _) in ends.items()}
+        self.control = _protocol.ControlReader(self.pipes["control"])
         theirs = {kind: writer for kind, (_, writer) in ends.items()}
         theirs["commands"], self.commands = multiprocessing.Pipe(duplex=False)
         return theirs
@@ -128,11 +142,21 @@ class Rank:
             return "failed"
         if self.result is not None and code == 0:
             return "ok"
-        if self.stop_requested:
+        if self.stop_requested and not self._ended_before_stop():
             return "stopped"
-        out.failed_at = self.control_closed_at or self.exited_at
+        ends = [t for t in (self.control_closed_at, self._ended()) if t is not None]
+        out.failed_at = min(ends) if ends else None
         out.message = ended_without_value(code, out.signal_name)
         return "failed"
+
+    def _ended_before_stop(self) -> bool:
+        """Whether the rank had ended before the kernel asked it to stop: a rank on another
+        node whose death reached the kernel after a peer's collateral error did."""
+        asked, ended = self.stop_requested_at, self._ended()
+        return asked is not None and ended is not None and ended < asked
+
+    def _ended(self) -> float | None:
+        return self.ended_at if self.ended_at is not None else self.exited_at
 
     def _record_failure(self, failure: _protocol.Failed) -> None:
         out = self.outcome
@@ -174,31 +198,33 @@ class Rank:
             router.lines(self.local_rank, kind, self.splitters[kind].feed(data))
         return True
 
-    def read_message(self) -> _protocol.Message | None:
-        """The next control message (a :class:`~_protocol.Result` with its value read);
-        ``None`` once the pipe closed. ``TypeError``/pickle errors for a bad frame."""
-        try:
-            message = _protocol.decode(self.pipes["control"].recv_bytes())
-        except (EOFError, OSError):
+    def read_control(self) -> list[_protocol.Message | Exception]:
+        """The control messages that have arrived whole (a :class:`~_protocol.Result` once
+        its value has, the value then in :attr:`value`) and the errors of frames that did not
+        decode; never waits for more. :attr:`control_closed` once the pipe has closed."""
+        assert self.control is not None
+        arrived: list[_protocol.Message | Exception] = []
+        for item in self.control.read():
+            if isinstance(item, _protocol.Value):
+                self._take_value(item)
+                item = item.result
+            if not isinstance(item, Exception):
+                item = _protocol.on_kernel_clock(item, self.clock_offset)
+            arrived.append(item)
+        if self.control.closed and self.control_closed_at is None:
+            # A value cut off here means the worker died while sending it (e.g. the OOM
+            # killer): its exit status tells the user what happened.
             self.control_closed_at = time.monotonic()
-            return None
-        message = _protocol.on_kernel_clock(message, self.clock_offset)
-        if isinstance(message, _protocol.Result) and not self._read_value(message):
-            return None
-        return message
+        return arrived
 
-    def _read_value(self, result: _protocol.Result) -> bool:
+    @property
+    def control_closed(self) -> bool:
+        return self.control is None or self.control.closed
+
+    def _take_value(self, value: _protocol.Value) -> None:
         try:
-            data = _protocol.read_raw(self.pipes["control"], result.size)
-            buffers = [_protocol.read_raw(self.pipes["control"], n) for n in result.buffers]
-        except (EOFError, OSError):
-            # The worker died while sending its value (e.g. the OOM killer): its exit status
-            # tells the user what happened, not a bare EOFError from the loop.
-            self.control_closed_at = time.monotonic()
-            return False
-        try:
-            self.value = _values.loads(data, buffers)
-            self.result = result
+            self.value = _values.loads(value.data, value.buffers)
+            self.result = value.result
         except Exception as exc:
             self.failure = _protocol.Failed(
                 "UnpicklableResultError",
@@ -208,7 +234,6 @@ class Rank:
                 "",
                 time.monotonic(),
             )
-        return True
 
     def handle(
         self,
@@ -246,7 +271,7 @@ class Rank:
             case _protocol.Failed():
                 self.failure = message
             case _protocol.Result():
-                pass  # the value was read with it (read_message)
+                pass  # the value arrived with it (read_control)
             case _protocol.DebugPrompt(text=text, prompt=None):
                 self.debugging, self.prompt = False, None
                 self.debug_text += text

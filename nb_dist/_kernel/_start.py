@@ -66,7 +66,7 @@ def start_all(method: str, ranks: list[Rank], spec_for: SpecFor) -> Connection:
     except BaseException:
         for rank in ranks:
             if rank.alive and rank.process is not None:
-                rank.stop_requested = True
+                rank.request_stop()
                 rank.returncode = rank.process.kill_and_reap()
                 rank.exited_at = time.monotonic()
         lifeline_writer.close()

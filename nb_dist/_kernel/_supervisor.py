@@ -333,7 +333,7 @@ class Supervisor:
         """SIGTERM every live worker's process group, then SIGKILL what is left after a grace."""
         live = [w for w in self.current.workers if w.alive and w is not self.held]
         for worker in live:
-            worker.stop_requested = True
+            worker.request_stop()
             assert worker.process is not None
             worker.process.send_signal(signal.SIGTERM)
         self._read_until(lambda: not any(w.alive for w in live), STOP_GRACE)
@@ -348,7 +348,7 @@ class Supervisor:
         ):
             for worker in workers:
                 if worker.alive and worker.process is not None:
-                    worker.stop_requested = True
+                    worker.request_stop()
                     worker.returncode = worker.process.kill_and_reap()
                     worker.exited_at = time.monotonic()
                 if not worker.finished:

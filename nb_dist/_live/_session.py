@@ -130,7 +130,7 @@ class SessionSupervisor(Supervisor):
         self._read_until(lambda: not any(w.alive for w in self.workers), CLOSE_GRACE)
         for worker in self.workers:
             if worker.alive and worker.process is not None:
-                worker.stop_requested = True
+                worker.request_stop()
                 worker.returncode = worker.process.kill_and_reap()
         self._close()
 

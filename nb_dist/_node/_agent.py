@@ -310,7 +310,7 @@ class NodeAgent:
                     for kind in sorted(local.open_kinds):
                         outbox.add(index, kind, b"")
                     local.reported = True
-                    outbox.exited(index, code)
+                    outbox.exited(index, code, local.exited_at or time.monotonic())
         finally:
             selector.close()
 
@@ -339,7 +339,7 @@ def _check_exit(local: _Local, index: int, outbox: Outbox) -> None:
     local.exited_at = local.exited_at or now
     if not local.open_kinds or now - local.exited_at > DRAIN_AFTER_EXIT:
         local.reported = True
-        outbox.exited(index, code)
+        outbox.exited(index, code, local.exited_at)
 
 
 def _node_niceness() -> int | None:

@@ -33,7 +33,9 @@ task with :class:`Result` or :class:`Failed`, then :class:`Idle`. Closing the pi
 
 The raw bytes after :class:`Result` are the only unframed data: the value's pickle, then the
 bytes of its large tensors (``_values.py``), each read straight into one preallocated buffer
-(about twice as fast as ``recv_bytes``' chunked reads), where the tensor then lives.
+(about twice as fast as ``recv_bytes``' chunked reads), where the tensor then lives. The
+kernel reads the pipe without blocking (:class:`ControlReader`): frames and values are
+assembled across turns of its loop, which meanwhile reads every other rank and keeps time.
 
 Report values are pickled one by one in the worker (:class:`ReportValue`), so one value the
 kernel cannot unpickle (an instance of a class defined only in the rank) is reported by name
@@ -368,14 +370,125 @@ def _write_all(fd: int, parts: Sequence[bytes | memoryview]) -> None:
 _IOV_MAX = 1024  # Linux's limit on the buffers of one writev
 
 
-def read_raw(control: Connection, size: int) -> bytearray:
-    """Read the ``size`` raw bytes that follow a :class:`Result`, into one buffer."""
-    buffer = bytearray(size)
-    with memoryview(buffer) as view:
-        got = 0
-        while got < size:
-            count = os.readv(control.fileno(), [view[got:]])
+@dataclass(frozen=True)
+class Value:
+    """A :class:`Result` with the raw bytes it announced: the value's pickle and buffers."""
+
+    result: Result
+    data: bytearray
+    buffers: list[bytearray]
+
+
+#: What :meth:`ControlReader.read` hands over: a message, a value whose bytes have all
+#: arrived, or the error of a frame that did not decode (the frames after it still do).
+Arrived = Message | Value | Exception
+
+
+class ControlReader:
+    """One control pipe read as its bytes arrive, never waiting for more (runs in the kernel).
+
+    Frames and the raw bytes after a :class:`Result` are assembled across calls: a value in
+    transit (64 MB from a rank on a busy machine, or forwarded from a node) holds neither the
+    loop that reads every rank's pipes, nor its timeouts and ■, nor a forwarder filling the
+    pipes. Raw bytes are still read straight into one preallocated buffer each."""
+
+    #: Bytes one :meth:`read` takes at most, so one rank's flood leaves the others a turn.
+    BUDGET = 16 << 20
+
+    def __init__(self, control: Connection) -> None:
+        self._fd = control.fileno()
+        os.set_blocking(self._fd, False)
+        self._pending = bytearray()  # bytes of frames not yet complete
+        self._result: Result | None = None  # the value in transit, if any
+        self._sizes: list[int] = []  # the raw buffers still to come
+        self._done: list[bytearray] = []  # its raw buffers read so far
+        self._buffer = bytearray()  # the one being read
+        self._got = 0
+        self.closed = False
+
+    @property
+    def in_transit(self) -> bool:
+        """Whether a value has been announced and not all of its bytes have arrived."""
+        return self._result is not None
+
+    def read(self) -> list[Arrived]:
+        """What is complete after reading what the pipe holds now (``closed`` set at EOF;
+        a value cut off by the EOF is dropped: the rank died while sending it)."""
+        arrived: list[Arrived] = []
+        budget = self.BUDGET
+        while budget > 0 and not self.closed:
+            try:
+                if self._result is not None and not self._pending:
+                    with memoryview(self._buffer) as view:
+                        count = os.readv(self._fd, [view[self._got :]])
+                    self._got += count
+                    self._finish_buffers(arrived)
+                else:
+                    want = max(1 << 16, self._frame_needs() - len(self._pending))
+                    data = os.read(self._fd, min(want, budget))
+                    count = len(data)
+                    self._pending += data
+                    self._parse(arrived)
+            except BlockingIOError:
+                break
+            except OSError:
+                count = 0
             if count == 0:
-                raise EOFError(f"the pipe closed after {got} of {size} bytes")
-            got += count
-    return buffer
+                self.closed = True
+            budget -= count
+        return arrived
+
+    def _frame_needs(self) -> int:
+        """How many bytes the frame at the head of ``_pending`` takes, header included (0
+        until its header has arrived)."""
+        if len(self._pending) < 4:
+            return 0
+        (size,) = struct.unpack_from("!i", self._pending)
+        if size != -1:
+            return 4 + size
+        if len(self._pending) < 12:
+            return 0
+        return 12 + struct.unpack_from("!Q", self._pending, 4)[0]
+
+    def _parse(self, arrived: list[Arrived]) -> None:
+        while True:
+            if self._result is not None:
+                if not self._pending:
+                    return
+                take = min(len(self._pending), len(self._buffer) - self._got)
+                self._buffer[self._got : self._got + take] = self._pending[:take]
+                del self._pending[:take]
+                self._got += take
+                self._finish_buffers(arrived)
+                continue
+            needs = self._frame_needs()
+            if not needs or len(self._pending) < needs:
+                return
+            header = 4 if struct.unpack_from("!i", self._pending)[0] != -1 else 12
+            body = bytes(self._pending[header:needs])
+            del self._pending[:needs]
+            try:
+                message = decode(body)
+            except Exception as exc:
+                arrived.append(exc)
+                continue
+            if isinstance(message, Result):
+                self._result, self._done = message, []
+                self._sizes = [message.size, *message.buffers]
+                self._next_buffer()
+                self._finish_buffers(arrived)
+            else:
+                arrived.append(message)
+
+    def _next_buffer(self) -> None:
+        self._buffer, self._got = bytearray(self._sizes.pop(0)), 0
+
+    def _finish_buffers(self, arrived: list[Arrived]) -> None:
+        """Move on from every buffer that is full; the value once all of them are."""
+        while self._result is not None and self._got == len(self._buffer):
+            self._done.append(self._buffer)
+            if self._sizes:
+                self._next_buffer()
+                continue
+            arrived.append(Value(self._result, self._done[0], self._done[1:]))
+            self._result, self._done, self._buffer = None, [], bytearray()
