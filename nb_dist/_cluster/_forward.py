@@ -66,6 +66,7 @@ class AgentLink:
         self.ended_by_loss: set[int] = set()
         self._exits: dict[int, int] = {}
         self._ended: dict[int, float] = {}  # when each rank ended, on the kernel's clock
+        self._unasked: set[int] = set()  # ranks that ended before any signal to stop them
         self._lock = threading.Lock()
         self.lost: str | None = None
         self.lost_at: float | None = None
@@ -74,7 +75,7 @@ class AgentLink:
         # noted once their rank's bytes are all written (only the poll thread uses these).
         self._backlog: dict[tuple[int, str], collections.deque[memoryview]] = {}
         self._closing: set[tuple[int, str]] = set()
-        self._held_exits: dict[int, tuple[int, float]] = {}
+        self._held_exits: dict[int, tuple[int, float, bool]] = {}
         self.backlog_bytes = 0
 
     def add_rank(self, position: int, theirs: dict[str, Connection], mirror: str | None) -> None:
@@ -131,12 +132,21 @@ class AgentLink:
         with self._lock:
             return self._ended.get(position)
 
-    def set_exit(self, position: int, code: int, at: float | None = None) -> None:
+    def ended_unasked(self, position: int) -> bool:
+        """Whether the rank had ended before any signal to stop it (its node says)."""
+        with self._lock:
+            return position in self._unasked
+
+    def set_exit(
+        self, position: int, code: int, at: float | None = None, unasked: bool = False
+    ) -> None:
         with self._lock:
             if position not in self._exits:
                 self._exits[position] = code
                 if at is not None:
                     self._ended[position] = at
+                if unasked:
+                    self._unasked.add(position)
 
     def deliver(self, batch: Batch) -> None:
         """Queue a poll's bytes for the local pipes and write what they take now; note the
@@ -161,8 +171,8 @@ class AgentLink:
                         os.pwrite(fd, raw, 0)
                     finally:
                         os.close(fd)
-        for position, (code, at) in batch.exits.items():
-            self._held_exits[position] = (code, at + self.offset)
+        for position, (code, at, unasked) in batch.exits.items():
+            self._held_exits[position] = (code, at + self.offset, unasked)
         self.flush()
 
     def flush(self) -> None:
@@ -192,8 +202,8 @@ class AgentLink:
             if writer is not None:
                 writer.close()
         for position in [p for p in self._held_exits if not self._waiting(p)]:
-            code, at = self._held_exits.pop(position)
-            self.set_exit(position, code, at)
+            code, at, unasked = self._held_exits.pop(position)
+            self.set_exit(position, code, at, unasked)
 
     def _waiting(self, position: int) -> bool:
         return any(key[0] == position for key in self._backlog)
@@ -238,6 +248,9 @@ class RemoteProcess:
     def ended_at(self) -> float | None:
         return self._link.ended_at(self._position)
 
+    def ended_unasked(self) -> bool:
+        return self._link.ended_unasked(self._position)
+
     def exit_code(self) -> int | None:
         code = self._link.exit_code(self._position)
         if self._position in self._link.ended_by_loss and not self._told:
@@ -257,8 +270,10 @@ class RemoteProcess:
         code = self._link.exit_code(self._position)
         if code is None:
             reaped = self._link.call("kill_and_reap", self._position)
-            code = int(reaped) if reaped is not None else -signal.SIGKILL
-            self._link.set_exit(self._position, code)
+            code, unasked = (
+                (int(reaped[0]), bool(reaped[1])) if reaped else (-signal.SIGKILL, False)
+            )
+            self._link.set_exit(self._position, code, unasked=unasked)
         self.exit_code()  # a lost node is still the rank's failure
         return code
 

@@ -52,6 +52,10 @@ class WorkerProcess(Protocol):
         the moment its exit code was read (a rank on another machine: when its node saw it
         end); else ``None``."""
 
+    def ended_unasked(self) -> bool:
+        """Whether it had ended before it was first sent a signal to stop (``send_signal``,
+        ``kill_and_reap``): its end was its own, whenever the kernel learned of it."""
+
     def send_signal(self, sig: int) -> None:
         """Signal its whole process group (and the worker itself, if the group is gone)."""
 
@@ -105,24 +109,45 @@ class _Forked:
         # is never signalled or waited for again, and exit_code() keeps answering (a node's
         # agent asks on every read until the rank's pipes are drained).
         self._code: int | None = None
+        self._ends = _Ends()
 
     def exit_code(self) -> int | None:
         if self._code is not None:
             return self._code
+        state = self._state()
+        if state == "running":
+            return None
+        if state == "gone":
+            return -signal.SIGKILL  # reaped elsewhere: report it as killed
+        signal_group(self.pid, signal.SIGKILL, group_only=True)
+        return self._reap()  # it has ended: a zombie is reaped at once
+
+    def _has_ended(self) -> bool:
+        return self._code is not None or self._state() != "running"
+
+    def _state(self) -> str:
+        """``running``, ``ended`` (a zombie, left unreaped) or ``gone`` (reaped elsewhere); an
+        end is noted for :meth:`ended_unasked`."""
         try:
             info = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
         except ChildProcessError:
-            return -signal.SIGKILL  # reaped elsewhere: report it as killed
+            self._ends.ended()
+            return "gone"
         if info is None:
-            return None
-        signal_group(self.pid, signal.SIGKILL, group_only=True)
-        return self._reap()  # it has ended: a zombie is reaped at once
+            return "running"
+        self._ends.ended()
+        return "ended"
 
     def ended_at(self) -> float | None:
         return None  # a child of this process: noticed as it ends
 
+    def ended_unasked(self) -> bool:
+        return self._ends.unasked
+
     def send_signal(self, sig: int) -> None:
         if self._code is None:
+            if not self._has_ended():
+                self._ends.asked()
             signal_group(self.pid, sig)
 
     def signal_leader(self, sig: int) -> None:
@@ -133,6 +158,8 @@ class _Forked:
     def kill_and_reap(self) -> int:
         if self._code is not None:
             return self._code
+        if not self._has_ended():
+            self._ends.asked()
         signal_group(self.pid, signal.SIGKILL)
         code = self._reap(within=REAP_WITHIN)
         if code is None:
@@ -165,27 +192,54 @@ class _FromForkserver:
     def __init__(self, process: Any) -> None:
         self.pid = int(process.pid)
         self._process = process
+        self._ends = _Ends()
 
     def exit_code(self) -> int | None:
         code = self._process.exitcode
         if code is not None:
+            self._ends.ended()
             signal_group(self.pid, signal.SIGKILL, group_only=True)
         return code  # type: ignore[no-any-return]
 
     def ended_at(self) -> float | None:
         return None  # a child of this machine's fork server: noticed as it ends
 
+    def ended_unasked(self) -> bool:
+        return self._ends.unasked
+
     def send_signal(self, sig: int) -> None:
+        if self.exit_code() is None:
+            self._ends.asked()
         signal_group(self.pid, sig)
 
     def signal_leader(self, sig: int) -> None:
         os.kill(self.pid, sig)
 
     def kill_and_reap(self) -> int:
+        if self.exit_code() is None:
+            self._ends.asked()
         signal_group(self.pid, signal.SIGKILL)
         self._process.join(timeout=5)  # only the server can reap; multiprocessing asks it
         code = self._process.exitcode
         return int(code) if code is not None else -signal.SIGKILL
+
+
+class _Ends:
+    """Whether a worker ended on its own: it was seen ended before any signal to stop it was
+    sent (a kernel that learns of a death late, or a node that reports it late, still knows
+    that its stop did not cause it)."""
+
+    def __init__(self) -> None:
+        self._asked = False
+        self.unasked = False
+        self._seen = False
+
+    def asked(self) -> None:
+        self._asked = True
+
+    def ended(self) -> None:
+        if not self._seen:
+            self._seen, self.unasked = True, not self._asked
 
 
 # ------------------------------------------------------------------ reaping

@@ -150,8 +150,12 @@ class Rank:
         return "failed"
 
     def _ended_before_stop(self) -> bool:
-        """Whether the rank had ended before the kernel asked it to stop: a rank on another
-        node whose death reached the kernel after a peer's collateral error did."""
+        """Whether the rank had ended before the kernel's stop reached it: seen ended before
+        the first signal to stop it, or (on another node) ended before the kernel asked. Its
+        death is then a failure of its own, however late the kernel learned of it (a rank on
+        another node whose death arrived after a peer's collateral error)."""
+        if self.process is not None and self.process.ended_unasked():
+            return True
         asked, ended = self.stop_requested_at, self._ended()
         return asked is not None and ended is not None and ended < asked
 

@@ -245,13 +245,15 @@ class NodeAgent:
         ranks = list(self._ranks) if run == self._run else []
         return _regroup.endpoints(local.process.pid for local in ranks)
 
-    def kill_and_reap(self, run: int, index: int) -> int:
-        """SIGKILL the rank's group and reap it; its exit code."""
+    def kill_and_reap(self, run: int, index: int) -> tuple[int, bool]:
+        """SIGKILL the rank's group and reap it: its exit code, and whether it had ended
+        before any signal to stop it."""
         local = self._rank(run, index)
         if local is None:
-            return -signal.SIGKILL
+            return -signal.SIGKILL, False
         with local.lock:
-            return local.process.kill_and_reap()
+            code = local.process.kill_and_reap()
+            return code, local.process.ended_unasked()
 
     def end_run(self, run: int) -> None:
         """The kernel is done with run ``run``: kill what is left, close everything."""
@@ -310,7 +312,8 @@ class NodeAgent:
                     for kind in sorted(local.open_kinds):
                         outbox.add(index, kind, b"")
                     local.reported = True
-                    outbox.exited(index, code, local.exited_at or time.monotonic())
+                    at = local.exited_at or time.monotonic()
+                    outbox.exited(index, code, at, local.process.ended_unasked())
         finally:
             selector.close()
 
@@ -339,7 +342,7 @@ def _check_exit(local: _Local, index: int, outbox: Outbox) -> None:
     local.exited_at = local.exited_at or now
     if not local.open_kinds or now - local.exited_at > DRAIN_AFTER_EXIT:
         local.reported = True
-        outbox.exited(index, code, local.exited_at)
+        outbox.exited(index, code, local.exited_at, local.process.ended_unasked())
 
 
 def _node_niceness() -> int | None:

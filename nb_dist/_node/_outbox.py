@@ -21,13 +21,14 @@ KINDS = ("stdout", "stderr", "stack", "control")
 @dataclass
 class Batch:
     """One poll's worth: ``(rank index, pipe kind, bytes)`` in arrival order (empty: the
-    pipe closed), ``(exit code, when it ended on the node's monotonic clock)`` by rank index,
-    and changed collective counters (raw bytes).
+    pipe closed), ``(exit code, when it ended on the node's monotonic clock, whether it ended
+    before any signal to stop it)`` by rank index, and changed collective counters (raw
+    bytes).
     A large chunk is a numpy ``uint8`` array instead of ``bytes`` (:func:`_wire`)."""
 
     run: int
     chunks: list[tuple[int, str, Any]] = field(default_factory=list)
-    exits: dict[int, tuple[int, float]] = field(default_factory=dict)
+    exits: dict[int, tuple[int, float, bool]] = field(default_factory=dict)
     counters: dict[int, bytes] = field(default_factory=dict)
     #: The run ended on the node (or another began): the kernel stops polling.
     over: bool = False
@@ -40,7 +41,7 @@ class Outbox:
         self.run = run
         self._cond = threading.Condition()
         self._chunks: list[tuple[int, str, bytearray]] = []
-        self._exits: dict[int, tuple[int, float]] = {}
+        self._exits: dict[int, tuple[int, float, bool]] = {}
         self._over = False
         self._woken = False
 
@@ -53,10 +54,11 @@ class Outbox:
                 self._chunks.append((index, kind, bytearray(data)))
             self._cond.notify_all()
 
-    def exited(self, index: int, code: int, at: float) -> None:
-        """Rank ``index`` ended with ``code`` at ``at`` (``time.monotonic()`` here)."""
+    def exited(self, index: int, code: int, at: float, unasked: bool) -> None:
+        """Rank ``index`` ended with ``code`` at ``at`` (``time.monotonic()`` here); ``unasked``:
+        before any signal to stop it."""
         with self._cond:
-            self._exits[index] = (code, at)
+            self._exits[index] = (code, at, unasked)
             self._cond.notify_all()
 
     def end(self) -> None:
