@@ -19,7 +19,12 @@ import torch
 import torch.distributed as dist
 from process_helpers import OnWrite, assert_all_gone, release_fifo
 
-from nb_dist import LaunchTimeoutError, WorkerFailedError, notebook_launcher
+from nb_dist import LaunchTimeoutError, RankOutcome, WorkerFailedError, notebook_launcher
+from nb_dist._kernel._diagnosis import looks_collateral
+
+#: What README promises for "a rank raises" and ■: every other rank stopped within a second.
+#: Tests allow five times that (a loaded 2-core box); bench/ measures the promise itself.
+STOPPED_WITHIN = 5 * 1.0
 
 THIS_FILE = os.path.basename(__file__)
 
@@ -47,6 +52,17 @@ def _await(tmp: str, *names: str, within: float = 30.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"no handshake {names} within {within} s")
         time.sleep(0.005)
+
+
+def _assert_bystander(outcome: RankOutcome) -> None:
+    """A rank that waited in a collective for the failed one: ``collateral`` exactly when it
+    raised its peer's error before the launcher stopped it, else ``stopped`` with no error of
+    its own. (Which of the two happens is a race between real processes; how each is told is
+    the contract.)"""
+    if outcome.exc_type is not None:
+        assert outcome.status == "collateral" and looks_collateral(outcome), outcome
+    else:
+        assert outcome.status == "stopped" and outcome.message is None, outcome
 
 
 def _await_exit(pid: int, within: float = 30.0) -> None:
@@ -221,7 +237,8 @@ def test_exception_names_root_cause_and_stops_blocked_rank_fast(tmp_path):
     err = info.value
     raised_at = float((tmp_path / "raised_at").read_text())
     # Rank 0 was stopped, not left to gloo's collective timeout (30 min).
-    assert returned_at - raised_at < 30, f"teardown took {returned_at - raised_at:.2f} s"
+    teardown = returned_at - raised_at
+    assert teardown < STOPPED_WITHIN, f"teardown took {teardown:.2f} s"
     assert_all_gone(_pids(tmp_path), within=0)
 
     text = str(err)
@@ -230,11 +247,11 @@ def test_exception_names_root_cause_and_stops_blocked_rank_fast(tmp_path):
     assert 'raise ValueError("boom")' in text
     assert f'{THIS_FILE}", line {_line_of("raise ValueError(")}' in text
     others = text.split("The other ranks:", 1)[1].splitlines()[1]
-    assert others.startswith(("rank 0: stopped by the launcher", "rank 0: failed as a consequence"))
+    assert others == err.outcomes[0].describe()
     assert err.root_cause.rank == 1
     assert err.root_cause.exc_type == "ValueError"
     assert [o.status for o in err.outcomes][1] == "failed"
-    assert err.outcomes[0].status in ("stopped", "collateral")
+    _assert_bystander(err.outcomes[0])
     assert len(err.logs) == 2
 
 
@@ -252,7 +269,8 @@ def test_three_ranks_root_cause_is_the_raiser_not_rank_0(tmp_path):
     assert str(err).startswith("rank 2 failed first: ValueError: boom"), str(err)
     assert err.root_cause.rank == 2
     assert err.outcomes[2].status == "failed"
-    assert {err.outcomes[0].status, err.outcomes[1].status} <= {"collateral", "stopped"}
+    _assert_bystander(err.outcomes[0])
+    _assert_bystander(err.outcomes[1])
     assert "rank 0 failed first" not in str(err)
     assert len(_pids(tmp_path)) == 3
     assert_all_gone(_pids(tmp_path), within=0)
@@ -309,7 +327,7 @@ def test_process_death_is_reported_with_its_cause(
     if exit_code is not None:
         assert err.root_cause.exit_code == exit_code
         assert err.root_cause.describe() == "rank 1: failed: the process died (exit code 3)"
-    assert err.outcomes[0].status in ("stopped", "collateral")
+    _assert_bystander(err.outcomes[0])
     assert "about to crash" in err.logs[1]
     if how == "segfault":
         # faulthandler's crash report reaches the message (last output) and the log.
@@ -347,8 +365,9 @@ def test_timeout_shows_where_a_deadlocked_rank_is_blocked(tmp_path):
             timeout=3,
         )
     elapsed = time.monotonic() - began
-    # Not before the timeout; and ended by it (the deadlock alone lasts gloo's 30 min).
-    assert 3 <= elapsed < 30, f"the timeout took {elapsed:.1f} s"
+    # Not before the timeout; and ended by it (the deadlock alone lasts gloo's 30 min): the
+    # report takes each rank's stack (0.5 s at most) and stops the ranks (under a second).
+    assert 3 <= elapsed < 3 + STOPPED_WITHIN, f"the timeout took {elapsed:.1f} s"
     err = info.value
     text = str(err)
     assert text.startswith("The launch did not finish within timeout=3 s"), text

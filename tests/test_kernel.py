@@ -240,8 +240,9 @@ def test_timeout_stacks_name_the_cell(kernel):
     assert run.error is not None, run.stdout()
     assert run.error["ename"] == "LaunchTimeoutError"
     took = run.idle_at - run.sent_at
-    # Not before the timeout; and ended by it (the deadlock alone lasts gloo's 30 min).
-    assert 3.0 <= took < 30, f"the timed-out cell took {took:.1f} s"
+    # Not before the timeout; and ended by it (the deadlock alone lasts gloo's 30 min): stacks
+    # and the stop take about a second, five times that allowed on a loaded box.
+    assert 3.0 <= took < 3.0 + 5.0, f"the timed-out cell took {took:.1f} s"
     text = run.error_text()
     assert text.startswith("The launch did not finish within timeout=3 s"), text
     cell = f"Cell In[{define.execution_count}]"
@@ -284,8 +285,9 @@ def test_interrupt_stops_workers_and_leaves_the_kernel_clean(kernel, tmp_path):
     assert "supervisor.py" not in run.error_text() and "selectors" not in run.error_text()
     error_msg = next(m for m in run.mine if m.msg_type == "error")
     ended_after = error_msg.sent_date - interrupted_wall
-    # Ended by the interrupt: long before the workers' 60 s sleep would have.
-    assert ended_after < 30, f"the cell ended {ended_after:.2f} s after the interrupt"
+    # Ended by the interrupt (README: every worker stopped within a second; five times that
+    # allowed on a loaded box), long before the workers' 60 s sleep would have.
+    assert ended_after < 5.0, f"the cell ended {ended_after:.2f} s after the interrupt"
     assert run.late == []
 
     after = execute(

@@ -111,8 +111,9 @@ def test_keyboard_interrupt_stops_workers_and_next_launch_works(tmp_path):
     assert proc.returncode == 0, f"stdout:\n{out}\nstderr:\n{err}"
     assert "caught KeyboardInterrupt True" in out, out + err
     stopped_at = float(out.split("stopped_at ", 1)[1].split()[0])
-    # Stopped by the interrupt: long before the workers' 60 s sleep would have ended.
-    assert stopped_at - interrupted_at < 30, f"stopping took {stopped_at - interrupted_at:.2f} s"
+    # Stopped by the interrupt (README: within a second; five times that on a loaded box), long
+    # before the workers' 60 s sleep would have ended.
+    assert stopped_at - interrupted_at < 5.0, f"stopping took {stopped_at - interrupted_at:.2f} s"
     assert "relaunch [0, 10]" in out
     assert "NOT INTERRUPTED" not in out
     assert "Traceback" not in err, err

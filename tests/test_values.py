@@ -299,4 +299,4 @@ def test_the_timeout_fires_while_a_value_is_in_transit():
         notebook_launcher(_stalls_inside_its_value, num_processes=2, timeout=3)
     took = __import__("time").monotonic() - began
     assert {o.status for o in caught.value.outcomes} == {"stopped"}, caught.value.outcomes
-    assert took < 3 + 30, took  # the timeout, then the report and the teardown
+    assert took < 3 + 5, took  # the timeout, then the report and the teardown (about 1 s)
