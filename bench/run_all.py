@@ -35,6 +35,7 @@ from _common import BENCH, RESULTS, ROOT, machine_info, read_result
 
 # In the order they run; cheap and launch-sensitive ones first, on a machine still cool.
 BENCHMARKS = (
+    "import_cost",
     "launch_latency",
     "step_overhead",
     "output_path",

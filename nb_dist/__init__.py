@@ -7,44 +7,41 @@ returns each rank's value, and tears everything down on failure, hang or interru
 
 from __future__ import annotations
 
-import logging as _logging
-import os as _os
+import importlib as _importlib
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 
-from ._cluster._ray_cluster import RayCluster  # imports Ray only when a cluster is made
-from ._kernel._errors import (
-    LaunchError,
-    LaunchTimeoutError,
-    RankOutcome,
-    RendezvousTimeoutError,
-    UnsafeLaunchError,
-    WorkerFailedError,
-)
-from ._kernel._launcher import notebook_launcher
-from ._kernel._preflight import install_cuda_touch_recorder as _install_cuda_touch_recorder
-from ._kernel._result import LaunchResult
-from ._kernel._scripts import run_script
-from ._kernel._tracebacks import follow_cell_names as _follow_cell_names
-from ._kernel._warm import prefetch_at_import as _prefetch_at_import
-from ._live._magic import load_ipython_extension
-from ._live._per_rank import per_rank
-from ._live._ranks import Ranks, SessionError
-from ._rank._debug import breakpoint
-from ._shared._precision import autocast, autocast_dtype, mixed_precision, needs_grad_scaler
-from ._shared._reporting import (
-    ReportEntry,
-    Reports,
-    is_main_process,
-    local_rank,
-    local_reports,
-    main_process_first,
-    progress,
-    rank,
-    report,
-    world_size,
-)
+from ._kernel import _at_import
 
 if _TYPE_CHECKING:
+    from ._cluster._ray_cluster import RayCluster
+    from ._kernel._errors import (
+        LaunchError,
+        LaunchTimeoutError,
+        RankOutcome,
+        RendezvousTimeoutError,
+        UnsafeLaunchError,
+        WorkerFailedError,
+    )
+    from ._kernel._launcher import notebook_launcher
+    from ._kernel._result import LaunchResult
+    from ._kernel._scripts import run_script
+    from ._live._magic import load_ipython_extension as load_ipython_extension
+    from ._live._per_rank import per_rank
+    from ._live._ranks import Ranks, SessionError
+    from ._rank._debug import breakpoint
+    from ._shared._precision import autocast, autocast_dtype, mixed_precision, needs_grad_scaler
+    from ._shared._reporting import (
+        ReportEntry,
+        Reports,
+        is_main_process,
+        local_rank,
+        local_reports,
+        main_process_first,
+        progress,
+        rank,
+        report,
+        world_size,
+    )
     from .views import (
         AllReduceStepper,
         GradientView,
@@ -55,46 +52,49 @@ if _TYPE_CHECKING:
         rank_color,
     )
 
-# The teaching views are imported when first used (PEP 562): a launch needs no widget library,
-# and ``import nb_dist`` must work where a view cannot be built.
-_VIEWS = (
-    "AllReduceStepper",
-    "GradientView",
-    "LossScaleView",
-    "PrecisionExplorer",
-    "ShardExplorer",
-    "consumed_view",
-    "rank_color",
-)
+# Each public name is imported from its module when first used (PEP 562): a rank that calls
+# nb_dist.report() imports the rank's side only, a script the launcher without widgets, a Ray
+# node agent nothing of the API, and ``import nb_dist`` itself takes milliseconds.
+_HOMES = {
+    "._cluster._ray_cluster": ("RayCluster",),
+    "._kernel._errors": (
+        "LaunchError", "LaunchTimeoutError", "RankOutcome", "RendezvousTimeoutError",
+        "UnsafeLaunchError", "WorkerFailedError",
+    ),
+    "._kernel._launcher": ("notebook_launcher",),
+    "._kernel._result": ("LaunchResult",),
+    "._kernel._scripts": ("run_script",),
+    "._live._magic": ("load_ipython_extension",),
+    "._live._per_rank": ("per_rank",),
+    "._live._ranks": ("Ranks", "SessionError"),
+    "._rank._debug": ("breakpoint",),
+    "._shared._precision": ("autocast", "autocast_dtype", "mixed_precision", "needs_grad_scaler"),
+    "._shared._reporting": (
+        "ReportEntry", "Reports", "is_main_process", "local_rank", "local_reports",
+        "main_process_first", "progress", "rank", "report", "world_size",
+    ),
+    ".views": (
+        "AllReduceStepper", "GradientView", "LossScaleView", "PrecisionExplorer",
+        "ShardExplorer", "consumed_view", "rank_color",
+    ),
+}  # fmt: skip
+_HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
 
 
 def __getattr__(name: str) -> object:
-    if name not in _VIEWS:
+    module = _HOME_OF.get(name)
+    if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from . import views
-
-    value = getattr(views, name)
+    value = getattr(_importlib.import_module(module, __name__), name)
     globals()[name] = value
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_VIEWS))
+    return sorted(set(globals()) | set(_HOME_OF))
 
 
 __version__ = "0.1.0"
-
-# The errors say they are nb_dist's (``nb_dist.UnsafeLaunchError`` in a rank's failure, a
-# traceback, a repr), not the private module that defines them: the layout may move, the
-# name a user catches and reads stays.
-for _error in (
-    LaunchError,
-    LaunchTimeoutError,
-    RendezvousTimeoutError,
-    UnsafeLaunchError,
-    WorkerFailedError,
-):
-    _error.__module__ = __name__
 
 __all__ = [
     "AllReduceStepper",
@@ -134,21 +134,7 @@ __all__ = [
     "world_size",
 ]
 
-# What users need not see goes to the "nb_dist" logger; silent unless they configure logging.
-_logging.getLogger(__name__).addHandler(_logging.NullHandler())
-
-# Let torch.cuda.is_available() ask NVML instead of initializing CUDA, so that checking for a
-# GPU in a cell does not poison later forks (honoured only where the user has not set it).
-_os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
-_install_cuda_touch_recorder()
-
-# On IPython 7 (Colab's, Kaggle's), note each cell's file name as IPython 8 does, so that a
-# rank's traceback and a hang report say "Cell In[5]" there too.
-_follow_cell_names()
-
-# In a Jupyter kernel, import what a first DDP cell needs in the background now, so that the
-# first launch or live session inherits it (_kernel/_warm.py; NB_DIST_WARM_IMPORTS=0: off).
-_prefetch_at_import()
-
-# `%load_ext nb_dist` finds this (not in __all__: it is IPython's hook, not an API).
-_ = load_ipython_extension
+# What ``import nb_dist`` does beyond names, and where (``_kernel/_at_import.py``): the silent
+# "nb_dist" logger; outside a rank, CUDA touches recorded once torch is imported; in IPython,
+# IPython 7's cells named as IPython 8 names them, and a first DDP cell's imports warmed.
+_at_import.prepare()

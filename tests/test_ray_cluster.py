@@ -283,26 +283,18 @@ def test_a_relaunch_reuses_the_agents(cluster):
     assert set(o.pid for o in first.outcomes).isdisjoint(o.pid for o in again.outcomes)
 
 
-def test_the_agent_class_offers_every_method_of_the_node_agent():
-    from nb_dist._node._agent import NodeAgent
-    from nb_dist._node._boot import METHODS, agent_class
-
-    public = {n for n, v in vars(NodeAgent).items() if callable(v) and not n.startswith("_")}
-    assert set(METHODS) == public
-    assert all(callable(getattr(agent_class(), n)) for n in METHODS)
-
-
 def test_node_agents_leave_the_kernel_side_of_nb_dist_unimported(cluster, ray_cluster):
     # Importing nb_dist's API (torch, widgets, matplotlib) in an agent cost a cold launch about
-    # 1.3 s before the node's fork server could start; the agent needs none of it.
+    # 1.3 s before the node's fork server could start; the agent needs none of it, and
+    # nb_dist/__init__.py imports each public name only when it is used.
     import ray
 
     def imported(agent: Any) -> tuple[bool, bool, bool]:
         """In that agent's process (nested: Ray ships it by value): nb_dist's API,
         matplotlib, torch imported."""
         modules = __import__("sys").modules
-        api = hasattr(modules["nb_dist"], "notebook_launcher")
-        return api, "matplotlib" in modules, "torch" in modules
+        api = "nb_dist._kernel._launcher" in modules or "nb_dist.views" in modules
+        return api, "matplotlib" in modules or "IPython" in modules, "torch" in modules
 
     result = nb_dist.notebook_launcher(_warm, (3,), num_processes=2, cluster=cluster)
     assert list(result) == [6, 6]
@@ -363,7 +355,7 @@ def test_a_raising_rank_is_the_root_cause_once(cluster):
     assert text.count("Traceback (most recent call last)") == 1, text  # once, not per layer
     assert 'raise ValueError("rank one is broken")' in text  # the traceback, with its line
     assert err.outcomes[0].status in ("collateral", "stopped")
-    assert took < 60, took
+    assert took < 10, took  # a warm launch (0.1 s) and the error (1 s promised), 5x allowed
     # Its failure time is on this process's clock (the node's offset added).
     assert began <= err.root_cause.failed_at <= began + took
 

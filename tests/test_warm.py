@@ -21,6 +21,7 @@ import json, os, sys
 import torch, torch.nn as nn, torch.distributed as dist
 from nb_dist import notebook_launcher
 from nb_dist._kernel import _warm
+environ = dict(os.environ)  # the launcher and its warm imports change none of it
 
 def ddp():
     had = "torch._dynamo" in sys.modules      # inherited from the kernel?
@@ -34,8 +35,9 @@ seen = []
 for _ in range(2):
     seen.append(notebook_launcher(ddp, num_processes=2, **KWARGS)[0])
     _warm.wait()
+changed = sorted(k for k in {*os.environ, *environ} if os.environ.get(k) != environ.get(k))
 print(json.dumps({"seen": seen, "kernel": "torch._dynamo" in sys.modules,
-                  "imported": _warm.imported()}))
+                  "imported": _warm.imported(), "environ_changed": changed}))
 """
 
 
@@ -54,6 +56,8 @@ def test_second_launch_inherits_what_the_first_imported():
     result = _run("")
     assert result["seen"] == [False, True]  # the 2nd launch's workers found torch._dynamo
     assert result["kernel"] and "torch._dynamo" in result["imported"]
+    # Importing torch._inductor sets TORCHINDUCTOR_CACHE_DIR; the warm import undoes it.
+    assert result["environ_changed"] == []
 
 
 @pytest.mark.timeout(180)
@@ -62,7 +66,8 @@ def test_second_launch_inherits_what_the_first_imported():
 )
 def test_opt_out(kwargs, env):
     result = _run(kwargs, env)
-    assert result == {"seen": [False, False], "kernel": False, "imported": []}
+    expected = {"seen": [False, False], "kernel": False, "imported": [], "environ_changed": []}
+    assert result == expected
 
 
 def test_bad_option_is_refused():
@@ -118,9 +123,11 @@ def test_no_prefetch_when_switched_off_or_outside_a_kernel(kernels):
     run = execute(kc, "import sys, nb_dist\nfrom nb_dist._kernel import _warm\n_warm.wait()\n"
                       "print(_warm.imported(), 'torch._dynamo' in sys.modules)")  # fmt: skip
     assert run.expect_ok().stdout().strip() == "[] False"
+    # A plain process: the warm-import machinery is not even imported.
     script = (
-        "import sys, nb_dist\nprint('torch._dynamo' in sys.modules, nb_dist._kernel._warm._thread)"
+        "import sys, nb_dist\n"
+        "print('torch._dynamo' in sys.modules, 'nb_dist._kernel._warm' in sys.modules)"
     )
     plain = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                            timeout=60, check=True)  # fmt: skip
-    assert plain.stdout.strip() == "False None"
+    assert plain.stdout.strip() == "False False"

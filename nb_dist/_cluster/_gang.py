@@ -101,7 +101,7 @@ class Gang:
     ) -> None:  # fmt: skip
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from .._node._boot import agent_class
+        from .._node._agent import NodeAgent
 
         self.ray = ray
         self.threads_per_rank = max(1, int(per_rank.get("CPU", 1)))
@@ -113,7 +113,9 @@ class Gang:
         self.group: Any = _placement.reserve(ray, asked, strategy, timeout)
         self.agents: list[Any] = []
         try:
-            remote = ray.remote(agent_class())
+            # By reference: the agent's worker imports nb_dist._node._agent, and with it a
+            # package whose API stays unimported (no torch, no widgets: nb_dist/__init__.py).
+            remote = ray.remote(NodeAgent)
             for index, bundle in enumerate(asked):
                 custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
                 self.agents.append(

@@ -283,3 +283,16 @@ class RendezvousTimeoutError(LaunchTimeoutError):
     and the likely cause (a wrong ``world_size``, different addresses, a rank that skips it).
     ``timeout`` holds the ``rendezvous_timeout`` that passed.
     """
+
+
+# The errors say they are nb_dist's (``nb_dist.UnsafeLaunchError`` in a rank's failure, a
+# traceback, a repr, a pickle), not this private module's: the layout may move, the name a
+# user catches and reads stays (``nb_dist.__getattr__`` finds them there).
+for _error in (
+    LaunchError,
+    LaunchTimeoutError,
+    RendezvousTimeoutError,
+    UnsafeLaunchError,
+    WorkerFailedError,
+):
+    _error.__module__ = "nb_dist"

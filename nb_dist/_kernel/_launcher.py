@@ -16,8 +16,7 @@ from . import _leftovers, _openmp, _ports, _prompts, _warm
 from ._attempt import Attempt
 from ._backend import ClusterBackend
 from ._errors import LaunchInterrupted, LaunchTimeoutError, WorkerFailedError
-from ._monitor import open_monitor
-from ._observer import Observer
+from ._observer import Observer, open_live_view
 from ._options import LaunchOptions
 from ._output import OutputRouter
 from ._plan import LaunchPlan, check_arguments, decide
@@ -166,7 +165,7 @@ def notebook_launcher(
         rich_output=rich_output, debug=debug, cluster=cluster,
     )  # fmt: skip
     plan = decide(check_arguments(function, args, options), options)
-    live_view = open_monitor(list(plan.ranks)) if plan.monitor else None
+    live_view = open_live_view(list(plan.ranks)) if plan.monitor else None
     try:
         outcome, logs, port, restarts = _run_attempts(plan, live_view)
     except KeyboardInterrupt:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from ._errors import RankOutcome
+from ._tracebacks import kernel_is_running
 
 
 class Observer(Protocol):
@@ -25,3 +26,13 @@ class Observer(Protocol):
     def close(
         self, outcomes: list[RankOutcome] | None = None, interrupted: bool = False
     ) -> None: ...
+
+
+def open_live_view(ranks: list[int]) -> Observer | None:
+    """The live monitor of ``ranks``, shown in the cell where a frontend may render it; else
+    ``None``, and the widgets it is made of are not even imported (a script, ``nb-dist run``)."""
+    if not kernel_is_running():
+        return None
+    from ._monitor import open_monitor
+
+    return open_monitor(ranks)

@@ -15,13 +15,13 @@ import signal
 import sys
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from .._shared import _torch_compat
-from .._shared._protocol import WORKER_ENV_FLAG
+from .._shared._env import WORKER_ENV_FLAG
+from . import _cuda_touches
 from ._errors import UnsafeLaunchError
 from ._processes import REAP_WITHIN, process_state, reap_within
 from ._tracebacks import innermost_user_frame
@@ -29,8 +29,6 @@ from ._tracebacks import innermost_user_frame
 START_METHODS = ("fork", "spawn", "forkserver")
 DEVICES = ("auto", "cpu", "cuda")
 
-# Where CUDA was first touched in this process, recorded by install_cuda_touch_recorder().
-_first_cuda_touch: list[tuple[str, int, str]] | None = None
 _log = logging.getLogger(__name__)
 
 
@@ -162,39 +160,12 @@ def check_accelerate_state() -> None:
 
 # ------------------------------------------------------------------ CUDA
 def _cuda_built() -> bool:
-    import torch
-
-    return bool(torch.version.cuda or getattr(torch.version, "hip", None))
-
-
-def install_cuda_touch_recorder() -> None:
-    """Remember the Python stack of the first call that touches CUDA in this process.
-
-    Wraps the two torch entry points that poison fork (device counting and initialization), so
-    a refusal can name the line, e.g. "torch.cuda.is_available() at Cell In[3], line 2".
-    Only on CUDA builds of torch; CPU builds cannot poison fork.
-    """
-    import torch
-
-    if not _cuda_built():
-        return
-
-    def recording(original: Any) -> Any:
-        def recorder(*args: Any) -> Any:
-            global _first_cuda_touch
-            if _first_cuda_touch is None:
-                frames = traceback.extract_stack()[:-1]
-                _first_cuda_touch = [(f.filename, f.lineno or 0, f.name) for f in frames]
-            return original(*args)
-
-        return recorder
-
-    _torch_compat.wrap_cuda_entry_points(torch, recording)  # once per process
+    return _cuda_touches.cuda_built()
 
 
 def cuda_touched() -> bool:
     """Whether anything in this process has counted or initialized CUDA devices yet."""
-    return _first_cuda_touch is not None
+    return _cuda_touches.touched()
 
 
 #: How long the throw-away child that counts GPUs may take (a wedged driver never answers).
@@ -313,7 +284,8 @@ def probe_cuda(within: float | None = None) -> CudaState:
     count = int(report.get("count", -1))
     if count < 0:
         count = _torch_compat.gpus_from_nvml(torch)
-    where = innermost_user_frame(_first_cuda_touch) if _first_cuda_touch else None
+    first = _cuda_touches.first_touch()
+    where = innermost_user_frame(first) if first else None
     return CudaState(gpus=count, poisoned=poisoned, where=where)
 
 

@@ -29,6 +29,11 @@ def ipython_shell() -> Any:
     return ipython.get_ipython() if ipython is not None else None
 
 
+def kernel_is_running() -> bool:
+    """Whether this process runs a Jupyter kernel (where a frontend may render widgets)."""
+    return getattr(ipython_shell(), "kernel", None) is not None
+
+
 def cell_label(filename: str) -> str | None:
     """Return ``"Cell In[5]"`` for a file name IPython made for a cell, else ``None``."""
     shell = ipython_shell()

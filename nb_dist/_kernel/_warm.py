@@ -37,8 +37,8 @@ import time
 from collections.abc import Iterable
 
 from .._shared._env import switched_off
-from ..views._display import _kernel_is_running
 from . import _openmp, _preflight
+from ._tracebacks import kernel_is_running
 
 ENV = "NB_DIST_WARM_IMPORTS"
 #: Imported at ``import nb_dist`` in a kernel: what ``DistributedDataParallel(...)`` pulls in
@@ -76,7 +76,7 @@ def schedule(names: Iterable[str]) -> None:
 def prefetch_at_import() -> bool:
     """In a Jupyter kernel, start importing :data:`PREFETCH` in the background; whether it
     started (not in scripts, not with ``NB_DIST_WARM_IMPORTS=0``)."""
-    if not enabled(True) or not _kernel_is_running():
+    if not enabled(True) or not kernel_is_running():
         return False
     schedule(PREFETCH)
     return _thread is not None
@@ -126,11 +126,14 @@ def _import_all(names: list[str]) -> None:
         threads_before = _openmp.thread_count()
         touched_before = _preflight.cuda_touched()
         _importing = name
+        environ = dict(os.environ)
         try:
             importlib.import_module(name)
         except (Exception, SystemExit) as exc:  # the next launch's ranks import it themselves
             _log.info("warm import of %s failed: %s: %s", name, type(exc).__name__, exc)
             continue
+        finally:
+            _restore_environ(environ)
         if _preflight.cuda_touched() and not touched_before:
             _disabled_because = f"importing {name} touched CUDA"
             return
@@ -139,6 +142,17 @@ def _import_all(names: list[str]) -> None:
             return
         with _lock:
             _imported.append(name)
+
+
+def _restore_environ(before: dict[str, str]) -> None:
+    """Undo what an import did to ``os.environ`` (importing ``torch._inductor`` sets
+    ``TORCHINDUCTOR_CACHE_DIR``): the launcher changes no environment variable of the kernel,
+    and one the user's own import would have set is set then, by that import."""
+    for key in [k for k in os.environ if k not in before]:
+        os.environ.pop(key, None)
+    for key, value in before.items():
+        if os.environ.get(key) != value:
+            os.environ[key] = value
 
 
 def _before_fork() -> None:

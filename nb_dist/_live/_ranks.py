@@ -25,7 +25,7 @@ from .._kernel import _leftovers, _ports, _prompts, _warm
 from .._kernel._attempt import Attempt
 from .._kernel._backend import ClusterBackend
 from .._kernel._errors import LaunchError
-from .._kernel._monitor import open_monitor
+from .._kernel._observer import open_live_view
 from .._kernel._options import LaunchOptions
 from .._kernel._output import OutputRouter
 from .._kernel._plan import LaunchPlan, check_arguments, decide
@@ -399,7 +399,7 @@ class Ranks:
         limit = self.plan.timeout if timeout is UNSET else timeout
         local = list(range(self.num_processes)) if local_ranks is None else local_ranks
         router = self._router()
-        monitor = open_monitor([self.plan.ranks[i] for i in local]) if self.plan.monitor else None
+        monitor = open_live_view([self.plan.ranks[i] for i in local]) if self.plan.monitor else None
         router.observer = monitor
         failure: BaseException | None = None
         try:

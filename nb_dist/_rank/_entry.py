@@ -27,7 +27,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from .._shared import _protocol, _reporting
-from .._shared._protocol import COLLECTIVES_ENV, WORKER_ENV_FLAG
+from .._shared._env import WORKER_ENV_FLAG
+from .._shared._protocol import COLLECTIVES_ENV
 from . import _debug, _frameworks, _oneshot, _serve
 from ._oneshot import flush_all
 from ._spec import WorkerChannels, WorkerSpec

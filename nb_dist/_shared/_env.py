@@ -1,4 +1,5 @@
-"""Reading nb_dist's own switches from the environment, one rule for every switch.
+"""nb_dist's own environment variables: the switches (one rule for every switch) and the
+mark of a rank.
 
 ``NB_DIST_WARM_IMPORTS=0`` and ``NB_DIST_RELEASE_OPENMP=0`` (and any later switch) are off
 with ``0``, ``false``, ``no`` or ``off`` in any case, on with anything else or when unset.
@@ -8,6 +9,10 @@ Both sides may read a switch.
 from __future__ import annotations
 
 import os
+
+#: Set in a rank's environment (its global rank): a launch from inside a rank is refused
+#: (``_kernel/_preflight.py``), and ``import nb_dist`` does nothing of the kernel's there.
+WORKER_ENV_FLAG = "NB_DIST_WORKER_RANK"
 
 _OFF = frozenset({"0", "false", "no", "off"})
 

@@ -55,9 +55,6 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-#: Set in a rank's environment (its global rank): a launch from inside a rank is refused
-#: (``_kernel/_preflight.py``).
-WORKER_ENV_FLAG = "NB_DIST_WORKER_RANK"
 #: The rank's collective counter file (``_collectives.py``), in its environment.
 COLLECTIVES_ENV = "NB_DIST_COLLECTIVES"
 

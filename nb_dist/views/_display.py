@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import math
+import sys
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from traitlets import HasTraits, Int, TraitError, link
@@ -23,11 +24,12 @@ if TYPE_CHECKING:
 
 
 def _kernel_is_running() -> bool:
-    """True inside a Jupyter kernel (where a frontend may render widgets), else False."""
-    try:
-        from IPython.core.interactiveshell import InteractiveShell
-    except ImportError:  # pragma: no cover - IPython ships with ipykernel
+    """True inside a Jupyter kernel (where a frontend may render widgets), else False. Never
+    imports IPython: a process running a kernel has imported it already."""
+    shell_module = sys.modules.get("IPython.core.interactiveshell")
+    if shell_module is None:
         return False
+    InteractiveShell = shell_module.InteractiveShell
     if not InteractiveShell.initialized():  # what IPython.get_ipython() checks
         return False
     return getattr(InteractiveShell.instance(), "kernel", None) is not None

@@ -1,0 +1,40 @@
+"""What ``import nb_dist`` does beyond defining names: little, and only where it is needed.
+
+Runs wherever nb_dist is imported (a kernel, a script, a rank, a Ray node agent), so it
+imports nothing heavy itself (no torch, no IPython, no widgets) and does nothing of the
+kernel's in a rank:
+
+- the silent ``nb_dist`` logger (a ``NullHandler``: what users need not see goes there);
+- ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` (unless set): ``torch.cuda.is_available()`` in a cell
+  asks NVML instead of initializing CUDA, so it does not poison later forks;
+- the CUDA-touch recorder (``_cuda_touches.py``), when torch is imported;
+- in an IPython shell only: cells named as IPython 8 names them on IPython 7 (``Cell In[5]``
+  in tracebacks and hang reports), and in a Jupyter kernel the warm imports of a first DDP
+  cell in the background (``_warm.py``; ``NB_DIST_WARM_IMPORTS=0``: off).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from .._shared._env import WORKER_ENV_FLAG
+
+
+def prepare() -> None:
+    # What users need not see goes to the "nb_dist" logger: silent unless they configure it.
+    logging.getLogger("nb_dist").addHandler(logging.NullHandler())
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    if WORKER_ENV_FLAG in os.environ:
+        return  # a rank: nothing of the kernel's
+    from . import _cuda_touches
+
+    _cuda_touches.record()
+    if sys.modules.get("IPython") is None:
+        return  # no shell here (a script, a node agent)
+    from ._tracebacks import follow_cell_names
+    from ._warm import prefetch_at_import
+
+    follow_cell_names()
+    prefetch_at_import()
