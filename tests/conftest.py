@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from kernel_helpers import RunningKernel, start_kernel
+from kernel_helpers import RunningKernel, execute, start_kernel
 from process_helpers import assert_all_gone
 
 # The must-fail notebook is run on purpose by test_notebook_harness.py, never collected here.
@@ -122,3 +122,28 @@ def module_kernels(
 ) -> Iterator[Callable[..., RunningKernel]]:
     """Start kernels shared by a module's tests; see :class:`KernelFactory`."""
     yield from _kernel_factory(tmp_path_factory.mktemp(request.module.__name__))
+
+
+def set_up(kernel: RunningKernel, module: object) -> RunningKernel:
+    """Run the test module's ``KERNEL_SETUP`` (a cell, or a tuple of cells) in ``kernel``."""
+    setup = getattr(module, "KERNEL_SETUP", ())
+    _, kc = kernel
+    for cell in (setup,) if isinstance(setup, str) else setup:
+        execute(kc, cell, timeout=90).expect_ok()
+    return kernel
+
+
+@pytest.fixture
+def kernel(kernels: Callable[..., RunningKernel], request: pytest.FixtureRequest) -> RunningKernel:
+    """A fresh kernel for this test (in ``tmp_path``), set up by its module's
+    ``KERNEL_SETUP``: ``km, kc = kernel``."""
+    return set_up(kernels(), request.module)
+
+
+@pytest.fixture(scope="module")
+def module_kernel(
+    module_kernels: Callable[..., RunningKernel], request: pytest.FixtureRequest
+) -> RunningKernel:
+    """One kernel for the module's tests that leave it usable, set up once by the module's
+    ``KERNEL_SETUP``: ``km, kc = module_kernel``."""
+    return set_up(module_kernels(), request.module)

@@ -19,8 +19,6 @@ from kernel_helpers import (
     execute_answering,
     kernel_pid,
     line_in,
-    start_kernel,
-    stop_kernel,
 )
 from process_helpers import assert_all_gone
 
@@ -56,15 +54,6 @@ def f():
 result = nb_dist.notebook_launcher(f, num_processes=2, timeout=60)
 print(list(result))
 """
-
-
-@pytest.fixture
-def kernel(tmp_path):
-    km, kc = start_kernel(tmp_path)
-    try:
-        yield km, kc
-    finally:
-        stop_kernel(km, kc)
 
 
 def _like_nbval(kc, code: str):
@@ -139,14 +128,11 @@ def test_the_next_launch_releases_a_rank_nobody_debugged(kernel):
     assert_all_gone([pid])
 
 
-def test_a_held_rank_dies_with_the_kernel(tmp_path):
-    km, kc = start_kernel(tmp_path)
-    try:
-        pid = _fail(kc)
-        os.kill(kernel_pid(km), signal.SIGKILL)
-        assert_all_gone([pid], within=2.0)
-    finally:
-        stop_kernel(km, kc)
+def test_a_held_rank_dies_with_the_kernel(kernel):
+    km, kc = kernel
+    pid = _fail(kc)
+    os.kill(kernel_pid(km), signal.SIGKILL)
+    assert_all_gone([pid], within=2.0)
 
 
 def test_debug_mode_is_checked():

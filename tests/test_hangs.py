@@ -16,7 +16,7 @@ from kernel_helpers import execute, free_port
 
 pytestmark = pytest.mark.kernel
 
-SETUP = """
+KERNEL_SETUP = """
 import os, threading, time
 import torch, torch.nn as nn, torch.nn.functional as F
 import torch.distributed as dist
@@ -51,18 +51,11 @@ def kernel_compute():
 """
 
 
-@pytest.fixture(scope="module")
-def kernel(module_kernels):
-    km, kc = module_kernels()
-    execute(kc, SETUP, timeout=60).expect_ok()
-    return km, kc
-
-
 # ------------------------------------------------------------------ 1. OpenMP and fork
 @pytest.mark.timeout(120)
-def test_launch_after_kernel_compute_keeps_its_threads(kernel):
+def test_launch_after_kernel_compute_keeps_its_threads(module_kernel):
     """Compute in the kernel, then 2 ranks x 2 threads: they finish, with 2 threads, and say so."""
-    _, kc = kernel
+    _, kc = module_kernel
     assert execute(kc, "kernel_compute()").expect_ok().result_text == "2"
     first = execute(
         kc, "notebook_launcher(conv_work, num_processes=2, threads_per_process=2, timeout=90)"
@@ -81,10 +74,10 @@ def test_launch_after_kernel_compute_keeps_its_threads(kernel):
 
 
 @pytest.mark.timeout(120)
-def test_one_thread_rank_that_raises_its_threads_after_kernel_compute(kernel):
+def test_one_thread_rank_that_raises_its_threads_after_kernel_compute(module_kernel):
     """The pool is released even for 1-thread ranks: one that calls set_num_threads(2) itself
     (or a library with its own thread count) must not hang in its first parallel op."""
-    _, kc = kernel
+    _, kc = module_kernel
     execute(
         kc,
         """
@@ -102,9 +95,9 @@ def test_one_thread_rank_that_raises_its_threads_after_kernel_compute(kernel):
 
 
 @pytest.mark.timeout(120)
-def test_default_threads_after_kernel_compute(kernel):
+def test_default_threads_after_kernel_compute(module_kernel):
     """Without OMP_NUM_THREADS, 1 rank on 2 cores gets 2 threads by default, and finishes."""
-    _, kc = kernel
+    _, kc = module_kernel
     execute(kc, "kernel_compute()").expect_ok()
     run = execute(
         kc,
@@ -114,10 +107,10 @@ def test_default_threads_after_kernel_compute(kernel):
 
 
 @pytest.mark.timeout(120)
-def test_without_release_the_launch_drops_to_one_thread_or_refuses(kernel):
+def test_without_release_the_launch_drops_to_one_thread_or_refuses(module_kernel):
     """NB_DIST_RELEASE_OPENMP=0: the probe finds the hang; default threads fall back to 1 with
     a notice, and an explicit threads_per_process=2 is refused before anything starts."""
-    _, kc = kernel
+    _, kc = module_kernel
     execute(kc, "kernel_compute(); os.environ['NB_DIST_RELEASE_OPENMP'] = '0'").expect_ok()
     try:
         run = execute(
@@ -162,9 +155,9 @@ def _cores() -> int:
 
 # ------------------------------------------------------------------ 2. the function's own address
 @pytest.mark.timeout(90)
-def test_function_that_sets_master_port_itself(kernel):
+def test_function_that_sets_master_port_itself(module_kernel):
     """The PyTorch DDP tutorial's pattern: MASTER_ADDR/MASTER_PORT set inside the function."""
-    _, kc = kernel
+    _, kc = module_kernel
     port = free_port()
     execute(
         kc,
@@ -188,8 +181,8 @@ def test_function_that_sets_master_port_itself(kernel):
 
 
 @pytest.mark.timeout(90)
-def test_explicit_tcp_init_method(kernel):
-    _, kc = kernel
+def test_explicit_tcp_init_method(module_kernel):
+    _, kc = module_kernel
     port = free_port()
     execute(
         kc,
@@ -212,9 +205,9 @@ def test_explicit_tcp_init_method(kernel):
 
 # ------------------------------------------------------------------ 3. rendezvous that never ends
 @pytest.mark.timeout(60)
-def test_rank_that_never_joins_is_reported_without_timeout(kernel):
+def test_rank_that_never_joins_is_reported_without_timeout(module_kernel):
     """No timeout= given: the rendezvous watchdog stops it, naming the missing rank's line."""
-    _, kc = kernel
+    _, kc = module_kernel
     execute(
         kc,
         """
@@ -239,8 +232,8 @@ def test_rank_that_never_joins_is_reported_without_timeout(kernel):
 
 
 @pytest.mark.timeout(60)
-def test_wrong_world_size_is_named(kernel):
-    _, kc = kernel
+def test_wrong_world_size_is_named(module_kernel):
+    _, kc = module_kernel
     execute(
         kc,
         """

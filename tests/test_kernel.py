@@ -61,6 +61,10 @@ def pid_and_sleep(tmp):
 """
 
 
+#: The cells every kernel of this module runs first (conftest.py's kernel fixtures).
+KERNEL_SETUP = (SETUP, SUM_RANKS, PID_AND_SLEEP)
+
+
 def _pids(tmp: Path) -> list[int]:
     return [int(p.read_text()) for p in sorted(tmp.glob("pid*"))]
 
@@ -74,24 +78,15 @@ def _rank_lines(messages) -> list[str]:
 
 
 def _boot(kc) -> None:
-    execute(kc, SETUP, timeout=60).expect_ok()
-    execute(kc, SUM_RANKS).expect_ok()
-    execute(kc, PID_AND_SLEEP).expect_ok()
-
-
-@pytest.fixture(scope="module")
-def kernel(module_kernels):
-    """One kernel shared by the tests that leave it alive: (KernelManager, client)."""
-    km, kc = module_kernels()
-    _boot(kc)
-    return km, kc
+    for cell in KERNEL_SETUP:
+        execute(kc, cell, timeout=60).expect_ok()
 
 
 # ----------------------------------------------------------------------------- output
 @pytest.mark.timeout(60)
-def test_rank_output_lands_in_the_launching_cell(kernel):
+def test_rank_output_lands_in_the_launching_cell(module_kernel):
     """Every rank's lines are attached to the launching cell, before its idle, none after."""
-    _, kc = kernel
+    _, kc = module_kernel
     define = execute(
         kc,
         """
@@ -131,10 +126,10 @@ def test_rank_output_lands_in_the_launching_cell(kernel):
 
 
 @pytest.mark.timeout(90)
-def test_print_reaches_the_cell_while_the_function_still_runs(kernel, tmp_path):
+def test_print_reaches_the_cell_while_the_function_still_runs(module_kernel, tmp_path):
     """A rank's print shows in the cell while the function still runs: each rank prints, then
     waits until the test has seen its line in the cell (how fast: bench/output_path.py)."""
-    _, kc = kernel
+    _, kc = module_kernel
     execute(
         kc,
         """
@@ -158,9 +153,9 @@ def test_print_reaches_the_cell_while_the_function_still_runs(kernel, tmp_path):
 
 # ----------------------------------------------------------------------------- failures
 @pytest.mark.timeout(60)
-def test_failure_shows_root_cause_with_cell_label(kernel, tmp_path):
+def test_failure_shows_root_cause_with_cell_label(module_kernel, tmp_path):
     """A rank's ValueError surfaces as WorkerFailedError naming Cell In[N] and the raise line."""
-    _, kc = kernel
+    _, kc = module_kernel
     code = """
         def fails(tmp):
             rank = int(os.environ["RANK"])
@@ -204,11 +199,11 @@ def test_failure_shows_root_cause_with_cell_label(kernel, tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_a_cell_run_outside_the_history_is_named_too(kernel):
+def test_a_cell_run_outside_the_history_is_named_too(module_kernel):
     """nbval runs cells without storing them in the history: a rank's traceback still names
     the cell and line (IPython 8 keeps the map in its compiler; on IPython 7, Colab's and
     Kaggle's, nb_dist notes each cell's file name as it is compiled)."""
-    _, kc = kernel
+    _, kc = module_kernel
     code = """
         def unstored():
             raise KeyError("not in the history")
@@ -223,9 +218,9 @@ def test_a_cell_run_outside_the_history_is_named_too(kernel):
 
 
 @pytest.mark.timeout(60)
-def test_timeout_stacks_name_the_cell(kernel):
+def test_timeout_stacks_name_the_cell(module_kernel):
     """timeout=3 on a deadlock: LaunchTimeoutError says where each rank was blocked, by cell."""
-    _, kc = kernel
+    _, kc = module_kernel
     code = """
         def deadlock():
             dist.init_process_group("gloo")
@@ -258,10 +253,10 @@ def test_timeout_stacks_name_the_cell(kernel):
 
 # ----------------------------------------------------------------------------- interrupt
 @pytest.mark.timeout(60)
-def test_interrupt_stops_workers_and_leaves_the_kernel_clean(kernel, tmp_path):
+def test_interrupt_stops_workers_and_leaves_the_kernel_clean(module_kernel, tmp_path):
     """Interrupting the kernel ends the cell with KeyboardInterrupt, the workers stopped and
     reaped by then, leaves env and signal handlers as they were, and the next launch works."""
-    km, kc = kernel
+    km, kc = module_kernel
     execute(
         kc,
         """
@@ -366,10 +361,10 @@ def test_killed_kernel_takes_its_workers_along(kernels, tmp_path):
 
 # ----------------------------------------------------------------------------- refusals
 @pytest.mark.timeout(60)
-def test_process_group_in_the_kernel_is_refused_until_destroyed(kernel, tmp_path):
+def test_process_group_in_the_kernel_is_refused_until_destroyed(module_kernel, tmp_path):
     """A process group initialized in a cell makes the launch refuse (nothing starts), with the
     fix; after destroy_process_group() the same launch works."""
-    _, kc = kernel
+    _, kc = module_kernel
     execute(
         kc,
         f"""
@@ -395,10 +390,10 @@ def test_process_group_in_the_kernel_is_refused_until_destroyed(kernel, tmp_path
 
 # ----------------------------------------------------------------------------- spawn
 @pytest.mark.timeout(90)
-def test_spawn_runs_a_cell_defined_function(kernel):
+def test_spawn_runs_a_cell_defined_function(module_kernel):
     """start_method='spawn' ships a function defined in a cell (in __main__) to fresh
     interpreters, and a spawned rank's traceback names the cell and shows its source line."""
-    _, kc = kernel
+    _, kc = module_kernel
     code = """
         def spawned(scale):
             dist.init_process_group("gloo")
@@ -445,11 +440,11 @@ def test_spawn_runs_a_cell_defined_function(kernel):
 
 # ----------------------------------------------------------------------------- accelerate
 @pytest.mark.timeout(90)
-def test_accelerator_in_the_kernel_is_refused_until_reset(kernel, tmp_path):
+def test_accelerator_in_the_kernel_is_refused_until_reset(module_kernel, tmp_path):
     """An Accelerator() created in a cell makes the launch refuse with the reset recipe; after
     running that recipe the launch works."""
     pytest.importorskip("accelerate")
-    _, kc = kernel
+    _, kc = module_kernel
     execute(
         kc, "from accelerate import Accelerator\n_acc = Accelerator(cpu=True)", timeout=60
     ).expect_ok()

@@ -159,7 +159,7 @@ def test_monitor_close_after_an_interrupt_marks_live_ranks_stopped():
 
 
 # ----------------------------------------------------------------------------- in a real kernel
-KERNEL_SETUP = """
+MONITOR_SETUP = """
 import time
 from pathlib import Path
 import nb_dist
@@ -190,25 +190,20 @@ def _progress_mid_run(msg) -> bool:
     return isinstance(value, float) and 0.0 < value < 1.0
 
 
-@pytest.fixture
-def kernel(kernels):
-    _, kc = kernels()
-    return kc
-
-
 @pytest.mark.kernel
 @pytest.mark.timeout(120)
 def test_monitor_in_a_real_kernel_displays_and_updates_widgets(kernel, tmp_path):
+    _, kc = kernel
     """In ipykernel: the monitor is displayed in the cell, updated over comm messages while the
     ranks run, the labelled text output is still printed, and nothing comes after idle."""
-    execute(kernel, KERNEL_SETUP, timeout=90).expect_ok()
-    run = send(kernel, KERNEL_LAUNCH.format(folder=str(tmp_path)))
+    execute(kc, MONITOR_SETUP, timeout=90).expect_ok()
+    run = send(kc, KERNEL_LAUNCH.format(folder=str(tmp_path)))
     # Updates arrive while the ranks run, not all at the end: the ranks stop at step 12 of 24
     # until the cell has shown a bar between empty and full (they would wait 90 s, longer
     # than this wait, if the monitor only drew at the end).
-    wait_for(kernel, run, _progress_mid_run, timeout=45)
+    wait_for(kc, run, _progress_mid_run, timeout=45)
     (tmp_path / "go").touch()
-    collect(kernel, run, timeout=60, late_window=1.0).expect_ok()
+    collect(kc, run, timeout=60, late_window=1.0).expect_ok()
 
     displays = [m for m in run.mine if m.msg_type == "display_data"]
     monitors = [
@@ -277,8 +272,9 @@ ranks.close()
 @pytest.mark.kernel
 @pytest.mark.timeout(120)
 def test_live_ranks_show_the_monitor_in_each_cell(kernel):
+    _, kc = kernel
     """Ranks(monitor=True): each task displays the monitor, which ends with every rank done."""
-    run = execute(kernel, RANKS_WITH_MONITOR, timeout=90).expect_ok()
+    run = execute(kc, RANKS_WITH_MONITOR, timeout=90).expect_ok()
     monitors = [
         m
         for m in run.mine

@@ -25,11 +25,8 @@ IMPORTS = "import nb_dist, torch, torch.distributed as dist"
 BOTH_RANKS = "[rank 0] 0\n[rank 1] 1"
 
 
-@pytest.fixture
-def kernel(kernels):
-    km, kc = kernels()
-    execute(kc, "import nb_dist, torch, torch.distributed as dist\n%load_ext nb_dist").expect_ok()
-    return km, kc
+#: The cell each test's kernel runs first (conftest.py's kernel fixture).
+KERNEL_SETUP = "import nb_dist, torch, torch.distributed as dist\n%load_ext nb_dist"
 
 
 def _pids(kc) -> list[int]:

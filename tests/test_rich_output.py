@@ -34,17 +34,12 @@ def show():
 """
 
 
-@pytest.fixture(scope="module")
-def kernel(module_kernels):
-    km, kc = module_kernels()
-    execute(
-        kc,
-        "%matplotlib inline\nimport os\nfrom IPython.display import display, HTML\n"
-        "from nb_dist import notebook_launcher",
-        timeout=60,
-    ).expect_ok()
-    execute(kc, SHOW).expect_ok()
-    return km, kc
+#: The cells the module's kernel runs first (conftest.py's module_kernel).
+KERNEL_SETUP = (
+    "%matplotlib inline\nimport os\nfrom IPython.display import display, HTML\n"
+    "from nb_dist import notebook_launcher",
+    SHOW,
+)
 
 
 def _rich(run, kind="display_data"):
@@ -52,8 +47,8 @@ def _rich(run, kind="display_data"):
 
 
 @pytest.mark.timeout(90)
-def test_rank0_displays_arrive_rich_in_the_cell(kernel):
-    _, kc = kernel
+def test_rank0_displays_arrive_rich_in_the_cell(module_kernel):
+    _, kc = module_kernel
     run = execute(kc, "notebook_launcher(show, num_processes=2)").expect_ok()
     shown = _rich(run)
     assert [d["data"].get("text/html") for d in shown[:2]] == [
@@ -79,8 +74,8 @@ def test_rank0_displays_arrive_rich_in_the_cell(kernel):
 
 
 @pytest.mark.timeout(90)
-def test_all_ranks_rich_and_labelled(kernel):
-    _, kc = kernel
+def test_all_ranks_rich_and_labelled(module_kernel):
+    _, kc = module_kernel
     run = execute(kc, "notebook_launcher(show, num_processes=2, rich_output='all')").expect_ok()
     html = sorted(d["data"].get("text/html", "") for d in _rich(run))
     assert "<b>rank 0 says hi</b>" in html and "<b>rank 1 says hi</b>" in html
@@ -90,8 +85,8 @@ def test_all_ranks_rich_and_labelled(kernel):
 
 
 @pytest.mark.timeout(90)
-def test_grouped_output_keeps_displays_in_rank_order(kernel):
-    _, kc = kernel
+def test_grouped_output_keeps_displays_in_rank_order(module_kernel):
+    _, kc = module_kernel
     run = execute(kc, "notebook_launcher(show, num_processes=2, output='grouped')").expect_ok()
     order = [
         m.content["data"].get("text/html", "png") if m.msg_type == "display_data" else "stream"
@@ -102,8 +97,8 @@ def test_grouped_output_keeps_displays_in_rank_order(kernel):
 
 
 @pytest.mark.timeout(90)
-def test_rich_output_none_prints_text(kernel):
-    _, kc = kernel
+def test_rich_output_none_prints_text(module_kernel):
+    _, kc = module_kernel
     run = execute(kc, "r = notebook_launcher(show, num_processes=1, rich_output='none'); r")
     run.expect_ok()
     assert _rich(run) == []
@@ -113,9 +108,9 @@ def test_rich_output_none_prints_text(kernel):
 
 
 @pytest.mark.timeout(90)
-def test_a_widget_displayed_in_a_rank_shows_its_text(kernel):
+def test_a_widget_displayed_in_a_rank_shows_its_text(module_kernel):
     """A widget's model lives in the worker, out of the frontend's reach: its text form."""
-    _, kc = kernel
+    _, kc = module_kernel
     execute(
         kc,
         "def slider():\n"
@@ -179,9 +174,9 @@ def train_tiny():
 
 
 @pytest.mark.timeout(240)
-def test_trainer_progress_table_shows_in_the_cell(kernel, tmp_path):
+def test_trainer_progress_table_shows_in_the_cell(module_kernel, tmp_path):
     pytest.importorskip("transformers")
-    _, kc = kernel
+    _, kc = module_kernel
     execute(kc, f"OUT = {str(tmp_path)!r}\n" + TRAINER, timeout=60).expect_ok()
     run = execute(kc, "notebook_launcher(train_tiny, num_processes=2)", timeout=220)
     run.expect_ok()

@@ -4,7 +4,7 @@ Runs in the kernel. ``notebook_launcher(fn, num_processes=8, cluster=RayCluster(
 gives the launch to the cluster (``_kernel/_backend.py``): it reserves one placement-group
 bundle per node (``processes_per_node`` ranks' ``resources_per_rank`` each), puts a node
 agent in each and keeps them for later launches (the next launch reuses the agents and
-their fork servers), and runs each attempt over them (``_launch.py``). ■ stops the ranks
+their fork servers), and runs each attempt over them (``_remote_run.py``). ■ stops the ranks
 and keeps the agents warm; :meth:`close` (or the end of a ``with`` block, or a lost node)
 gives the agents and the placement group back; when the kernel dies, Ray removes both with
 its driver.
@@ -22,7 +22,7 @@ from .._kernel._options import LaunchOptions
 from .._kernel._output import OutputRouter
 from .._kernel._plan import LaunchPlan
 from .._kernel._supervisor import AttemptResult, Supervisor
-from . import _connect, _launch, _placement, _session
+from . import _connect, _placement, _remote_ranks, _remote_run
 from ._gang import Gang
 
 _open: weakref.WeakSet[RayCluster] = weakref.WeakSet()
@@ -115,18 +115,18 @@ class RayCluster:
                 "RayCluster(resources_per_rank={'GPU': 1, ...})."
             )
         use_gpu = gpus and plan.device != "cpu"
-        return _launch.decide(self._gang_for, plan, options, use_gpu)
+        return _remote_run.decide(self._gang_for, plan, options, use_gpu)
 
-    def attempt(
+    def run_attempt(
         self, plan: LaunchPlan, number: int, router: OutputRouter, observer: Observer | None
     ) -> tuple[AttemptResult, int]:
         """One attempt on the agents; a gang that lost a node is given back after it."""
         gang = self._gang_for(plan.nprocs, plan.start_method)
-        return _launch.attempt(gang, plan, number, router, observer, self._release)
+        return _remote_run.run_attempt(gang, plan, number, router, observer, self._release)
 
     def start_session(self, plan: LaunchPlan, number: int, router: OutputRouter) -> Supervisor:
         """Live ranks on the agents (``nb_dist.Ranks(cluster=...)``)."""
-        return _session.start_session(
+        return _remote_ranks.start_session(
             self._gang_for(plan.nprocs, plan.start_method), plan, number, router
         )
 

@@ -1,6 +1,6 @@
 """What one attempt's ranks share in the kernel: the store, a scratch folder, their environments.
 
-A launch opens one :class:`Attempt` per try (restarts open another); live ranks open one per
+A launch opens one :class:`AttemptSetup` per try (restarts open another); live ranks open one per
 start and keep it until they stop. Either way the kernel hosts the rendezvous store (on node
 0), each rank gets an error file and a collective counter in a private folder, and each
 rank's environment names them. Runs in the kernel.
@@ -22,7 +22,7 @@ from ._plan import LaunchPlan
 STORE_TIMEOUT = 300.0
 
 
-class Attempt:
+class AttemptSetup:
     """The store, folder and per-rank environments of one attempt; :meth:`close` frees them."""
 
     def __init__(self, plan: LaunchPlan, number: int, folder_prefix: str) -> None:
@@ -51,7 +51,7 @@ class Attempt:
             shutil.rmtree(self.folder, ignore_errors=True)
             self.folder = None
 
-    def __enter__(self) -> Attempt:
+    def __enter__(self) -> AttemptSetup:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -3,7 +3,7 @@
 Runs in the kernel. ``notebook_launcher(..., cluster=c)`` hands the plan to ``c`` at two
 points and changes nothing else: :meth:`ClusterBackend.decide` finishes the plan (instead of
 the local devices, threads and fork checks: the cluster's placement, its nodes, the function
-shipped by value) and :meth:`ClusterBackend.attempt` runs one attempt (instead of the local
+shipped by value) and :meth:`ClusterBackend.run_attempt` runs one attempt (instead of the local
 store and processes: the cluster's agents start the ranks, and their pipes are forwarded into
 local ones, so the supervisor, the output, the diagnosis and the results are the local
 ones). After an interrupt the launcher calls :meth:`ClusterBackend.interrupted` so the
@@ -32,7 +32,7 @@ class ClusterBackend(Protocol):
         """The final plan for the checked arguments; raises what refuses the launch."""
         ...
 
-    def attempt(
+    def run_attempt(
         self, plan: LaunchPlan, number: int, router: OutputRouter, observer: Observer | None
     ) -> tuple[AttemptResult, int]:
         """Run attempt ``number``: its result and the rendezvous port."""

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import _leftovers, _openmp, _ports, _prompts, _warm
-from ._attempt import Attempt
+from ._attempt import AttemptSetup
 from ._backend import ClusterBackend
 from ._errors import LaunchInterrupted, LaunchTimeoutError, WorkerFailedError
 from ._observer import Observer, open_live_view
@@ -204,7 +204,7 @@ def _run_attempts(
         for text in plan.notices if attempt == 0 else ():
             router.notice(text)
         try:
-            outcome, port = _attempt(plan, attempt, router, live_view)
+            outcome, port = _run_attempt(plan, attempt, router, live_view)
         except (WorkerFailedError, LaunchTimeoutError) as failure:
             if live_view is not None:
                 live_view.close(failure.outcomes)
@@ -220,16 +220,16 @@ def _run_attempts(
         return outcome, [router.log_text(i) for i in range(plan.nprocs)], port, attempt
 
 
-def _attempt(
+def _run_attempt(
     plan: LaunchPlan, attempt: int, router: OutputRouter, live_view: Observer | None
 ) -> tuple[AttemptResult, int]:
     """One attempt: the kernel's store, the workers' environments, the supervisor."""
     __tracebackhide__ = True
     if plan.cluster is not None:
-        return plan.cluster.attempt(plan, attempt, router, live_view)
+        return plan.cluster.run_attempt(plan, attempt, router, live_view)
     if plan.start_method == "fork" and attempt:
         _openmp.release_pool()  # a restart forks again, and the kernel may have a pool again
-    with Attempt(plan, attempt, "nb_dist_errors_") as opened:
+    with AttemptSetup(plan, attempt, "nb_dist_errors_") as opened:
         supervisor = Supervisor(plan, opened.envs, router, live_view)
         try:
             return supervisor.run(), opened.port

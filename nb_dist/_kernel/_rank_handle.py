@@ -39,12 +39,12 @@ class Rendezvous:
 class Rank:
     """One worker: started by the supervisor, fed by its pipes, finalized once it ended."""
 
-    def __init__(self, local_rank: int, rank: int, local_rank_on_node: int | None = None) -> None:
-        #: This rank's index among the kernel's ranks (its pipes, its output's place).
-        self.local_rank = local_rank
-        #: Its ``LOCAL_RANK``, as outcomes report it (on a cluster: on its node).
-        self.local_rank_on_node = local_rank if local_rank_on_node is None else local_rank_on_node
-        self.outcome = RankOutcome(rank=rank, local_rank=self.local_rank_on_node, status="starting")
+    def __init__(self, index: int, rank: int, local_rank: int | None = None) -> None:
+        #: This rank's index among the kernel's ranks (its pipes, its output's place, its log).
+        self.index = index
+        #: Its ``LOCAL_RANK`` (on a cluster: on its node), as its outcome reports it.
+        self.local_rank = index if local_rank is None else local_rank
+        self.outcome = RankOutcome(rank=rank, local_rank=self.local_rank, status="starting")
         self.process: WorkerProcess | None = None
         self.pipes: dict[str, Connection] = {}
         self.commands: Connection | None = None  # kernel → worker
@@ -81,7 +81,7 @@ class Rank:
     def begin_task(self) -> None:
         """Forget the last task (a live rank): a fresh outcome, no value, no failure."""
         self.outcome = RankOutcome(
-            rank=self.outcome.rank, local_rank=self.local_rank_on_node, status="starting",
+            rank=self.outcome.rank, local_rank=self.local_rank, status="starting",
             pid=self.outcome.pid,
         )  # fmt: skip
         self.value, self.result, self.failure = None, None, None
@@ -194,12 +194,12 @@ class Rank:
             data = b""
         if not data:
             if kind in self.splitters:
-                router.lines(self.local_rank, kind, self.splitters[kind].flush())
+                router.lines(self.index, kind, self.splitters[kind].flush())
             return False
         if kind == "stack":
             self.stack.extend(data)
         else:
-            router.lines(self.local_rank, kind, self.splitters[kind].feed(data))
+            router.lines(self.index, kind, self.splitters[kind].feed(data))
         return True
 
     def read_control(self) -> list[_protocol.Message | Exception]:
@@ -248,7 +248,7 @@ class Rank:
         imports: set[str],
     ) -> RankStatus | None:
         """Act on one control message; the status it moves this rank to, if any."""
-        local = self.local_rank
+        local = self.index
         match message:
             case _protocol.Hello(thread_ident=ident):
                 self.thread_ident = ident

@@ -56,7 +56,7 @@ def start_all(method: str, ranks: list[Rank], spec_for: SpecFor) -> Connection:
             kernel_fds = [c.fileno() for r in ranks for c in r.kernel_ends()] + kernel_ends
             try:
                 process = _processes.start(
-                    method, spec_for(rank.local_rank, kernel_fds), channels, context
+                    method, spec_for(rank.index, kernel_fds), channels, context
                 )
             finally:
                 for writer in writers.values():  # the worker has its own copies now

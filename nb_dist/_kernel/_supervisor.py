@@ -119,9 +119,9 @@ class Supervisor:
         if self.current.observer is None:
             return
         if status == "running":
-            self.current.observer.started(worker.local_rank)
+            self.current.observer.started(worker.index)
         elif status in FINAL and not was_final:
-            self.current.observer.finished(worker.local_rank, worker.outcome)
+            self.current.observer.finished(worker.index, worker.outcome)
 
     # ----------------------------------------------------------------- start
     def _start_all(self) -> None:
@@ -211,10 +211,10 @@ class Supervisor:
                 continue  # a launch keeps a failed rank for %debug (see _hold_for_post_mortem)
             began = time.monotonic()
             if self.current.observer is not None:
-                self.current.observer.paused(worker.local_rank, True)
+                self.current.observer.paused(worker.index, True)
             _prompts.converse(worker, self._read_and_poll)
             if self.current.observer is not None and worker.alive:
-                self.current.observer.paused(worker.local_rank, False)
+                self.current.observer.paused(worker.index, False)
             paused = time.monotonic() - began
             self.current.paused_for += paused  # time at a prompt is neither work nor a hang
             if self.current.failed_at is not None:
@@ -248,7 +248,7 @@ class Supervisor:
             for kind, splitter in worker.splitters.items():
                 since = splitter.pending_since
                 if since is not None and now - since > PARTIAL_LINE_AFTER:
-                    self.current.router.lines(worker.local_rank, kind, splitter.flush())
+                    self.current.router.lines(worker.index, kind, splitter.flush())
 
     def _check_failures(self) -> None:
         if self.current.policy.on_failure is not None:
@@ -282,16 +282,16 @@ class Supervisor:
             return
         finished = [w.outcome.rank for w in self.current.workers if w.outcome.status == "ok"]
         for worker in self.current.workers:
-            noticed = worker.local_rank in self.current.hang_noticed
+            noticed = worker.index in self.current.hang_noticed
             if worker.finished or not worker.alive or noticed:
                 continue
-            self.current.hang_noticed.add(worker.local_rank)
+            self.current.hang_noticed.add(worker.index)
             returned = worker.outcome.returned_at
             if returned is not None:
                 ago = time.monotonic() - returned
                 self.current.router.notice(_diagnosis.teardown_notice(worker.outcome.rank, ago))
                 continue
-            frames = self._stacks([worker]).get(worker.local_rank, [])
+            frames = self._stacks([worker]).get(worker.index, [])
             notice = _diagnosis.straggler_notice(
                 worker.outcome.rank, waited, finished, frames, self.current.policy.limit_hint
             )
@@ -326,7 +326,7 @@ class Supervisor:
                     break
             else:
                 quiet_since = None
-        return {worker.local_rank: worker.read_stack() for worker in asked}
+        return {worker.index: worker.read_stack() for worker in asked}
 
     # ----------------------------------------------------------------- stop
     def _stop_all(self) -> None:
@@ -355,7 +355,7 @@ class Supervisor:
                     self._finalize(worker)
         for worker in workers:
             for kind, splitter in worker.splitters.items():
-                self.current.router.lines(worker.local_rank, kind, splitter.flush())
+                self.current.router.lines(worker.index, kind, splitter.flush())
 
     def _close(self) -> None:
         for worker in self.workers:
@@ -386,7 +386,10 @@ class Supervisor:
             if worker.outcome in collateral:
                 self._set_status(worker, "collateral")
         logs = self._logs()
-        message = _diagnosis.failure_message(root, outcomes, logs[root.local_rank])
+        # The root's log by its place among this kernel's ranks (its LOCAL_RANK is its place
+        # on its node: on a cluster every node has a LOCAL_RANK 0).
+        root_log = logs[next(i for i, o in enumerate(outcomes) if o is root)]
+        message = _diagnosis.failure_message(root, outcomes, root_log)
         held = self._held_at_its_prompt()
         if held is not None:
             message += "\n\n" + _diagnosis.post_mortem_note(held.outcome.rank)
@@ -408,7 +411,7 @@ class Supervisor:
     ) -> list[_diagnosis.StuckRank]:
         """Every rank for a timeout report: where the live ones were, their collectives."""
         return [
-            w.stuck_view(w in live, frames.get(w.local_rank), self.counter_file(w))
+            w.stuck_view(w in live, frames.get(w.index), self.counter_file(w))
             for w in self.current.workers
         ]
 
@@ -452,8 +455,7 @@ class Supervisor:
         live, frames = self._stop_with_stacks()
         now = time.monotonic()
         views = [
-            w.rendezvous_view(now, w in live, frames.get(w.local_rank))
-            for w in self.current.workers
+            w.rendezvous_view(now, w in live, frames.get(w.index)) for w in self.current.workers
         ]
         text, stacks = _diagnosis.rendezvous_report(limit, len(self.current.workers), views)
         outcomes = [w.outcome for w in self.current.workers]
@@ -462,10 +464,10 @@ class Supervisor:
 
     def counter_file(self, worker: Rank) -> str | None:
         """The rank's collective counter file (``_collectives.py``), if it has one."""
-        return self.worker_env[worker.local_rank].get(COLLECTIVES_ENV)
+        return self.worker_env[worker.index].get(COLLECTIVES_ENV)
 
     def _logs(self) -> list[str]:
-        return [self.current.router.log_text(w.local_rank) for w in self.current.workers]
+        return [self.current.router.log_text(w.index) for w in self.current.workers]
 
     def _with_reports(self, error: _Error) -> _Error:
         error.reports = self.current.reports

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._kernel import _leftovers, _ports, _prompts, _warm
-from .._kernel._attempt import Attempt
+from .._kernel._attempt import AttemptSetup
 from .._kernel._backend import ClusterBackend
 from .._kernel._errors import LaunchError
 from .._kernel._observer import open_live_view
@@ -149,8 +149,8 @@ class Ranks:
                 assert isinstance(started, SessionSupervisor)
                 supervisor = started
             else:
-                self._attempt = Attempt(plan, self.restarts, "nb_dist_ranks_")
-                supervisor = SessionSupervisor(plan, self._attempt.envs, router, None)
+                self._setup = AttemptSetup(plan, self.restarts, "nb_dist_ranks_")
+                supervisor = SessionSupervisor(plan, self._setup.envs, router, None)
                 supervisor.start()
                 _ports.started_worker_pids.update(self.pids_of(supervisor))
             self._supervisor = supervisor
@@ -168,9 +168,9 @@ class Ranks:
         return OutputRouter(list(plan.ranks), plan.output, plan.prefix, rich=plan.rich_output)
 
     def _release_store(self) -> None:
-        if self._attempt is not None:
-            self._attempt.close()
-            self._attempt = None
+        if self._setup is not None:
+            self._setup.close()
+            self._setup = None
 
     def restart(self) -> None:
         """Stop every rank and start fresh ones (the kernel's namespace as it is now)."""
@@ -211,12 +211,12 @@ class Ranks:
         self._held.supervisor = supervisor
 
     @property
-    def _attempt(self) -> Attempt | None:
-        return self._held.attempt
+    def _setup(self) -> AttemptSetup | None:
+        return self._held.setup
 
-    @_attempt.setter
-    def _attempt(self, attempt: Attempt | None) -> None:
-        self._held.attempt = attempt
+    @_setup.setter
+    def _setup(self, setup: AttemptSetup | None) -> None:
+        self._held.setup = setup
 
     @property
     def closed(self) -> bool:
@@ -328,7 +328,7 @@ class Ranks:
                     f"push(...): a value cannot be sent to the ranks ({type(exc).__name__}: "
                     f"{exc}). Push plain data (numbers, tensors, lists, dicts)."
                 ) from None
-        self._task(lambda rank: _protocol.Push(0, payloads[rank.local_rank]), None, UNSET)
+        self._task(lambda rank: _protocol.Push(0, payloads[rank.index]), None, UNSET)
         self._history.pushed(values)
 
     def export(self, path: str | os.PathLike[str]) -> str:
@@ -426,7 +426,7 @@ class Ranks:
             logs=[router.log_text(i) for i in local],
             durations=outcome.durations,
             wall_time=time.monotonic() - began,
-            port=self._attempt.port if self._attempt is not None else 0,
+            port=self._setup.port if self._setup is not None else 0,
             start_method=self.plan.start_method,
         )
 
@@ -437,15 +437,15 @@ class _Held:
 
     def __init__(self) -> None:
         self.supervisor: SessionSupervisor | None = None
-        self.attempt: Attempt | None = None
+        self.setup: AttemptSetup | None = None
 
     def stop(self) -> None:
         if self.supervisor is not None:
             self.supervisor.close()
             self.supervisor = None
-        if self.attempt is not None:
-            self.attempt.close()
-            self.attempt = None
+        if self.setup is not None:
+            self.setup.close()
+            self.setup = None
 
 
 def _gone(reason: str) -> SessionError:

@@ -209,7 +209,7 @@ class SessionSupervisor(Supervisor):
             self._read(0.0)  # output written just before the last Idle
             for worker in self.current.workers:
                 for kind, splitter in worker.splitters.items():
-                    router.lines(worker.local_rank, kind, splitter.flush())
+                    router.lines(worker.index, kind, splitter.flush())
             return self._result()
         finally:
             # Between tasks the session watches every rank, and nobody observes it.
@@ -289,10 +289,10 @@ class SessionSupervisor(Supervisor):
             waiting = [w for w in self.workers if not _idle(w)]
             if not waiting:
                 break
-            fresh = [w for w in self.workers if _idle(w) and w.local_rank not in dropped]
+            fresh = [w for w in self.workers if _idle(w) and w.index not in dropped]
             if not fresh or time.monotonic() >= deadline:
                 return False
-            dropped.update(w.local_rank for w in fresh)
+            dropped.update(w.index for w in fresh)
             if self._call(fresh, _regroup.drop_connections, peers, limit=2.0):
                 return False
             self._read_until(
@@ -330,12 +330,12 @@ class SessionSupervisor(Supervisor):
         """Run ``function(*args)`` on the idle ``workers``, outside any cell; those where it
         did not end well within ``limit`` s."""
         payload = _shipping.dumps((function, args, {}))
-        failures = {w.local_rank: w.failure for w in workers}
+        failures = {w.index: w.failure for w in workers}
         for worker in workers:
             worker.tasks_sent += 1
             worker.send(_protocol.Call(0, payload))
         self._read_until(lambda: all(_idle(w) for w in workers), limit)
-        return [w for w in workers if not _idle(w) or w.failure is not failures[w.local_rank]]
+        return [w for w in workers if not _idle(w) or w.failure is not failures[w.index]]
 
     def _check_skipped_collective(self) -> None:
         """End the cell when the counts prove a deadlock (``_diagnosis.skipped_collective``)
@@ -345,10 +345,10 @@ class SessionSupervisor(Supervisor):
             return
         if any(w.failure is not None for w in run.workers):
             return  # a failure's own path interrupts the others
-        in_task = {w.local_rank for w in run.workers}
+        in_task = {w.index for w in run.workers}
         running = [w for w in run.workers if not w.finished and w.alive]
         done = [w for w in run.workers if w.finished and w.outcome.status == "ok"]
-        done += [w for w in self.workers if w.local_rank not in in_task and w.alive]
+        done += [w for w in self.workers if w.index not in in_task and w.alive]
         now = time.monotonic()
         if not running or not done:
             run.deadlock_key = run.deadlock_since = None
@@ -364,7 +364,7 @@ class SessionSupervisor(Supervisor):
         if found is None or not _watchdogs.deadlock_due(run.deadlock_since, now):
             return
         frames = self._stacks(running)
-        by_rank = {w.outcome.rank: frames.get(w.local_rank, []) for w in running}
+        by_rank = {w.outcome.rank: frames.get(w.index, []) for w in running}
         text = _diagnosis.skipped_collective_report(found, by_rank)
         root = running[0]
         self._free_or_stop(

@@ -4,7 +4,7 @@ Runs in the kernel. :func:`decide` replaces the local decisions (devices, thread
 the cluster's: the ranks start with forkserver (or spawn) on their nodes, the function and
 its arguments are shipped by value (and the pre-flight names what was shipped, or which
 argument or global did not pickle), and the placement group is reserved before anything
-starts. :func:`attempt` opens the rendezvous store on rank 0's node, gives each rank the
+starts. :func:`run_attempt` opens the rendezvous store on rank 0's node, gives each rank the
 environment torchrun would give it there (``LOCAL_RANK``, ``NODE_RANK``, ``LOCAL_WORLD_SIZE``
 by Ray node id; ``MASTER_ADDR`` the node's cluster address), and runs the kernel's own
 ``Supervisor`` over the forwarded pipes (:class:`ClusterSupervisor`).
@@ -152,7 +152,7 @@ def _what(value: Any, exc: BaseException) -> str:
     return f"a {_protocol.type_name(value)}: {type(exc).__name__}: {exc}"
 
 
-def attempt(
+def run_attempt(
     gang: Gang,
     plan: LaunchPlan,
     number: int,

@@ -2,7 +2,7 @@
 
 A :class:`ClusterSession` is the live ranks' ``SessionSupervisor`` (``_live/_session.py``)
 whose ranks start and stop through the cluster's agents (``ClusterSupervisor``'s start and
-close, ``_launch.py``): every cell's output, values, failures, interrupts, timeouts and
+close, ``_remote_run.py``): every cell's output, values, failures, interrupts, timeouts and
 deadlock checks are the local session's. The store is on rank 0's node, the counters'
 mirrors in a kernel folder removed with the session.
 """
@@ -16,7 +16,7 @@ from .._kernel._output import OutputRouter
 from .._kernel._plan import LaunchPlan
 from .._live._session import SessionSupervisor
 from ._gang import Gang
-from ._launch import ClusterSupervisor, cluster_env
+from ._remote_run import ClusterSupervisor, cluster_env
 
 
 class ClusterSession(ClusterSupervisor, SessionSupervisor):

@@ -1,0 +1,204 @@
+"""The parts of a Ray cluster launch that need no Ray: placement, layout, clocks, options,
+and the forwarder's writes into local pipes. Run everywhere (``test_ray_cluster.py``, which
+needs Ray and a local cluster, is skipped without it)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import typing
+from multiprocessing.connection import Connection
+
+import pytest
+
+import nb_dist
+from nb_dist._cluster._forward import AgentLink
+from nb_dist._cluster._gang import clock_offset, layout
+from nb_dist._cluster._placement import bundles, infeasible
+from nb_dist._node._outbox import Batch
+from nb_dist._shared import _protocol
+
+
+def test_layout_groups_ranks_by_node_id_not_by_address():
+    # Three agents, two of them on one node (PACK may do that): local ranks run across them.
+    lay = layout(["node-a", "node-b", "node-a"], [2, 1, 2])
+    assert lay.node_rank == (0, 0, 1, 0, 0)
+    assert lay.local_rank == (0, 1, 0, 2, 3)
+    assert lay.local_world_size == (4, 4, 1, 4, 4)
+    assert lay.num_nodes == 2
+    assert lay.agent == (0, 0, 1, 2, 2) and lay.position == (0, 1, 0, 0, 1)
+
+
+def test_times_from_another_machine_are_put_on_the_kernels_clock():
+    shift = 1000.0
+    sent = [
+        _protocol.Hello(7, 1, at=5.0),
+        _protocol.Rendezvous("enter", at=5.0),
+        _protocol.Returned(at=5.0),
+        _protocol.Failed("ValueError", "bad", "", at=5.0),
+    ]
+    assert [m.at for m in (_protocol.on_kernel_clock(m, shift) for m in sent)] == [1005.0] * 4
+    reports = _protocol.Reports((_protocol.report_value("loss", 0, 5.0, 0.5),))
+    moved = _protocol.on_kernel_clock(reports, shift)
+    assert isinstance(moved, _protocol.Reports) and moved.values[0].at == 1005.0
+    assert moved.values[0].value() == 0.5
+    idle = _protocol.Idle(1, 2)
+    assert _protocol.on_kernel_clock(idle, shift) is idle
+    # Every message stamped with the rank's clock is one of those above.
+    stamped = {c for c in typing.get_args(_protocol.Message) if "at" in c.__dataclass_fields__}
+    assert stamped == {type(m) for m in sent}
+
+
+def test_a_nodes_clock_offset_comes_from_its_shortest_round_trip():
+    calls = []
+
+    def ask() -> float:  # a node whose clock reads 1000 s less than this process's
+        theirs = time.monotonic() - 1000.0
+        if not calls:  # the first answer is slow: its middle is 10 ms after the reading
+            deadline = time.monotonic() + 0.02
+            while time.monotonic() < deadline:
+                pass
+        calls.append(theirs)
+        return theirs
+
+    assert clock_offset(ask) == pytest.approx(1000.0, abs=0.002)
+    assert len(calls) == 3
+
+
+def test_placement_says_what_can_never_fit():
+    nodes = [{"CPU": 1.0}, {"CPU": 1.0}]
+    assert bundles(5, 2, {"CPU": 1}) == [{"CPU": 2.0}, {"CPU": 2.0}, {"CPU": 1.0}]
+    assert infeasible(bundles(2, 1, {"CPU": 1}), "STRICT_SPREAD", nodes) is None
+
+    def why(nprocs: int, per_node: int, per_rank: dict[str, float], strategy: str) -> str:
+        return infeasible(bundles(nprocs, per_node, per_rank), strategy, nodes) or ""
+
+    assert "3 different nodes" in why(3, 1, {"CPU": 1}, "STRICT_SPREAD")
+    assert "no node has 2 CPU" in why(2, 2, {"CPU": 1}, "PACK")
+    assert "one node with 2 CPU" in why(2, 1, {"CPU": 1}, "STRICT_PACK")
+    assert "1 GPU" in why(1, 1, {"GPU": 1}, "PACK")
+
+
+@pytest.mark.parametrize(
+    ("options", "says"),
+    [
+        ({"processes_per_node": 0}, "processes_per_node=0 must be a whole number, 1 or more"),
+        ({"placement": "SPREAD_THIN"}, "placement='SPREAD_THIN' is not one of Ray's strategies"),
+        ({"resources_per_rank": {"GPU": -1}}, "each entry must be a resource name and a number"),
+        ({"placement_timeout": 0}, "placement_timeout=0 must be a number of seconds above 0"),
+    ],
+)
+def test_bad_options_are_refused_before_connecting(options, says):
+    with pytest.raises(ValueError) as caught:
+        nb_dist.RayCluster("127.0.0.1:9", **options)  # nothing there: never reached
+    assert says in str(caught.value)
+
+
+def _run_python(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+
+
+def test_without_ray_one_line_says_how_to_get_it():
+    done = _run_python(
+        """
+        import sys
+        sys.modules["ray"] = None  # as if Ray were not installed
+        import nb_dist
+        try:
+            nb_dist.RayCluster()
+        except Exception as exc:
+            print(type(exc).__name__, exc, sep="|")
+        """
+    )
+    name, text = done.stdout.strip().split("|")
+    assert name == "ClusterError" and "\n" not in text
+    assert 'pip install "nb-dist[ray]"' in text, text
+
+
+def test_import_nb_dist_does_not_import_ray():
+    done = _run_python("import sys, nb_dist; print('ray' in sys.modules)")
+    assert done.stdout.strip() == "False", done.stderr
+
+
+# ----------------------------------------------------------------------------- forwarding
+class _Pipes:
+    """A rank's local pipes as the kernel makes them: the forwarder writes the ``theirs``
+    ends, the test reads ``ours`` (what the kernel's loop would)."""
+
+    def __init__(self) -> None:
+        self.ours: dict[str, Connection] = {}
+        self.theirs: dict[str, Connection] = {}
+        for kind in ("stdout", "control"):
+            read, write = os.pipe()
+            self.ours[kind] = Connection(read, writable=False)
+            self.theirs[kind] = Connection(write, readable=False)
+
+    def read_all(self, kind: str) -> bytes:
+        os.set_blocking(self.ours[kind].fileno(), False)
+        got = b""
+        while True:
+            try:
+                chunk = os.read(self.ours[kind].fileno(), 1 << 20)
+            except BlockingIOError:
+                return got
+            if not chunk:
+                return got
+            got += chunk
+
+    def close(self) -> None:
+        for conn in [*self.ours.values(), *self.theirs.values()]:
+            conn.close()
+
+
+def test_a_full_pipe_never_holds_another_ranks_bytes_and_an_exit_waits_for_its_bytes():
+    """Rank 0's 3 MB value fills its pipe (nobody reads it yet): rank 1's bytes and exit
+    arrive at once; rank 0's exit is noted only once all of its bytes are written, with the
+    time its node saw it end, put on this clock, and whether it ended before any stop."""
+    link = AgentLink(ray=None, actor=None, run=1, where="here", offset=100.0)
+    pipes = [_Pipes(), _Pipes()]
+    try:
+        for position, rank in enumerate(pipes):
+            link.add_rank(position, rank.theirs, None)
+        big = os.urandom(3 << 20)
+        batch = Batch(1, chunks=[(0, "control", big), (1, "stdout", b"hello\n"),
+                                 (1, "control", b"")],
+                      exits={0: (0, 5.0, True), 1: (1, 6.0, False)})  # fmt: skip
+        began = time.monotonic()
+        link.deliver(batch)  # returns at once: nothing waits for a reader
+        assert time.monotonic() - began < 1.0
+        assert pipes[1].read_all("stdout") == b"hello\n"
+        assert link.exit_code(1) == 1 and link.ended_at(1) == 106.0
+        assert not link.ended_unasked(1)
+        assert link.exit_code(0) is None and link.backlog_bytes > 0 and link.blocked()
+        got = b""
+        while link.backlog_bytes:  # the kernel reads; the forwarder writes what fits
+            got += pipes[0].read_all("control")
+            link.flush()
+        got += pipes[0].read_all("control")
+        assert got == big and not link.blocked()
+        assert link.exit_code(0) == 0 and link.ended_at(0) == 105.0 and link.ended_unasked(0)
+    finally:
+        link.close()
+        for rank in pipes:
+            rank.close()
+
+
+def test_a_pipe_nobody_reads_any_more_drops_its_bytes_and_the_rest_go_on():
+    link = AgentLink(ray=None, actor=None, run=1, where="here")
+    pipes = [_Pipes(), _Pipes()]
+    try:
+        for position, rank in enumerate(pipes):
+            link.add_rank(position, rank.theirs, None)
+        pipes[0].ours["control"].close()  # the kernel closed its end (the run ended there)
+        link.deliver(Batch(1, chunks=[(0, "control", b"x" * 100), (1, "stdout", b"ok\n")],
+                           exits={0: (-9, 1.0, True)}))  # fmt: skip
+        assert pipes[1].read_all("stdout") == b"ok\n"
+        assert link.backlog_bytes == 0 and link.exit_code(0) == -9
+    finally:
+        link.close()
+        for rank in pipes:
+            rank.close()
