@@ -13,9 +13,20 @@ import string
 import sys
 import time
 import uuid
-from typing import Any, TextIO
+from typing import Any, NamedTuple, TextIO
 
 from ._tracebacks import ipython_shell
+
+
+class _Shown(NamedTuple):
+    """One ``display()`` of a rank, as it is published (or held for grouped output)."""
+
+    local_rank: int
+    data: dict[str, Any]
+    metadata: dict[str, Any]
+    display_id: str | None
+    update: bool
+
 
 OUTPUT_MODES = ("all", "rank0", "grouped", "none")
 RICH_OUTPUT_MODES = ("rank0", "all", "none")
@@ -168,11 +179,11 @@ class OutputRouter:
         if display_id is not None:
             key = (local_rank, str(display_id))
             display_id = self._display_ids.setdefault(key, f"nb_dist-{uuid.uuid4().hex}")
-        args = (local_rank, data, metadata, display_id, update)
+        shown = _Shown(local_rank, data, metadata, display_id, update)
         if self.mode == "grouped":
-            self._held[local_rank].append(("display", args))
+            self._held[local_rank].append(("display", shown))
         else:
-            self._publish(*args)
+            self._publish(shown)
 
     def clear_output(self, local_rank: int, wait: bool) -> None:
         """A rank's ``clear_output()`` (progress displays redraw with it): only rank 0's, live."""
@@ -184,14 +195,8 @@ class OutputRouter:
             clear: Any = IPython.display.clear_output  # untyped in IPython
             clear(wait=wait)
 
-    def _publish(
-        self,
-        local_rank: int,
-        data: dict[str, Any],
-        metadata: dict[str, Any],
-        display_id: str | None,
-        update: bool,
-    ) -> None:
+    def _publish(self, shown: _Shown) -> None:
+        local_rank, data, metadata, display_id, update = shown
         import IPython.display
 
         publish: Any = IPython.display.publish_display_data  # untyped in IPython
@@ -213,7 +218,7 @@ class OutputRouter:
             prefix = self._prefixes[local]
             for stream, item in held:
                 if stream == "display":
-                    self._publish(*item)
+                    self._publish(item)
                 else:
                     self._stream(stream).write(f"{prefix}{item}\n")
             held.clear()

@@ -79,6 +79,16 @@ class Supervisor:
         self.held: Rank | None = None
         self._post_mortem_given = False  # the held rank went to the error's PostMortem
 
+    def _start_and_watch(self) -> None:
+        """Start every rank and read them until the run ends (raising the timeout's error if
+        ``timeout`` passes first)."""
+        __tracebackhide__ = True
+        self._start_all()
+        timeout = self.config.timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self._watch(deadline):
+            raise self._timeout_error()
+
     @property
     def imports(self) -> set[str]:
         """Modules the run's ranks imported that the kernel lacks (see ``_warm.py``)."""
@@ -88,11 +98,7 @@ class Supervisor:
     def run(self) -> AttemptResult:
         __tracebackhide__ = True
         try:
-            self._start_all()
-            timeout = self.config.timeout
-            deadline = None if timeout is None else time.monotonic() + timeout
-            if self._watch(deadline):
-                raise self._timeout_error()
+            self._start_and_watch()
             self._drain_and_reap()
             return self._result()
         except BaseException:

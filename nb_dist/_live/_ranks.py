@@ -149,11 +149,11 @@ class Ranks:
                 assert isinstance(started, SessionSupervisor)
                 supervisor = started
             else:
-                self._setup = AttemptSetup(plan, self.restarts, "nb_dist_ranks_")
-                supervisor = SessionSupervisor(plan, self._setup.envs, router, None)
+                self._held.setup = AttemptSetup(plan, self.restarts, "nb_dist_ranks_")
+                supervisor = SessionSupervisor(plan, self._held.setup.envs, router, None)
                 supervisor.start()
                 _ports.started_worker_pids.update(self.pids_of(supervisor))
-            self._supervisor = supervisor
+            self._held.supervisor = supervisor
             self._history.started(plan)
         except BaseException:
             self._release_store()
@@ -168,9 +168,9 @@ class Ranks:
         return OutputRouter(list(plan.ranks), plan.output, plan.prefix, rich=plan.rich_output)
 
     def _release_store(self) -> None:
-        if self._setup is not None:
-            self._setup.close()
-            self._setup = None
+        if self._held.setup is not None:
+            self._held.setup.close()
+            self._held.setup = None
 
     def restart(self) -> None:
         """Stop every rank and start fresh ones (the kernel's namespace as it is now)."""
@@ -203,22 +203,6 @@ class Ranks:
         self.close()
 
     @property
-    def _supervisor(self) -> SessionSupervisor | None:
-        return self._held.supervisor
-
-    @_supervisor.setter
-    def _supervisor(self, supervisor: SessionSupervisor | None) -> None:
-        self._held.supervisor = supervisor
-
-    @property
-    def _setup(self) -> AttemptSetup | None:
-        return self._held.setup
-
-    @_setup.setter
-    def _setup(self, setup: AttemptSetup | None) -> None:
-        self._held.setup = setup
-
-    @property
     def closed(self) -> bool:
         return self._closed
 
@@ -229,12 +213,12 @@ class Ranks:
     @property
     def pids(self) -> list[int]:
         """The ranks' process ids (they change on a restart)."""
-        return self.pids_of(self._supervisor) if self._supervisor is not None else []
+        return self.pids_of(self._held.supervisor) if self._held.supervisor is not None else []
 
     @property
     def cells(self) -> int:
         """How many tasks the current ranks have run."""
-        return self._supervisor.task_count if self._supervisor is not None else 0
+        return self._held.supervisor.task_count if self._held.supervisor is not None else 0
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"{self.num_processes} ranks, {self.cells} cells"
@@ -370,7 +354,7 @@ class Ranks:
     def _live(self) -> SessionSupervisor:
         __tracebackhide__ = True
         self._check_open()
-        supervisor = self._supervisor
+        supervisor = self._held.supervisor
         if supervisor is None or supervisor.lost is not None:
             raise _gone(supervisor.lost.reason if supervisor and supervisor.lost else "")
         notice = supervisor.check_ready()
@@ -426,7 +410,7 @@ class Ranks:
             logs=[router.log_text(i) for i in local],
             durations=outcome.durations,
             wall_time=time.monotonic() - began,
-            port=self._setup.port if self._setup is not None else 0,
+            port=self._held.setup.port if self._held.setup is not None else 0,
             start_method=self.plan.start_method,
         )
 

@@ -107,11 +107,7 @@ class SessionSupervisor(Supervisor):
         """Start every rank and wait until each has its process group (or raise)."""
         __tracebackhide__ = True
         try:
-            self._start_all()
-            timeout = self.config.timeout
-            deadline = None if timeout is None else time.monotonic() + timeout
-            if self._watch(deadline):
-                raise self._timeout_error()
+            self._start_and_watch()
             self._result()  # raises if a rank could not start
             self.current.router.finish()
         except BaseException:
