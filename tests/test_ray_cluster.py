@@ -408,7 +408,7 @@ def test_live_ranks_across_nodes_keep_their_state(cluster, capsys, tmp_path):
             nb_dist.notebook_launcher(_warm, (1,), num_processes=2, cluster=cluster)
         ranks.export(str(tmp_path / "train.py"))
         assert "dist.all_reduce(t)" in (tmp_path / "train.py").read_text()
-        supervisor = ranks._supervisor
+        supervisor = ranks._held.supervisor
         assert supervisor is not None
         pids = [w.outcome.pid for w in supervisor.workers]
     assert_cluster_clean_of_ranks(pids)
