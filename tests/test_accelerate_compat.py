@@ -65,6 +65,7 @@ def _boom():
     threading.Event().wait()
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 def test_failure_is_a_child_failed_error_with_its_data():
     with pytest.raises(ChildFailedError) as info:
@@ -80,6 +81,7 @@ def test_failure_is_a_child_failed_error_with_its_data():
     assert error.name == "notebook_launcher"
 
 
+@pytest.mark.fast
 def test_unsafe_launch_is_also_a_value_error():
     """Accelerate raises ValueError for kernel states it refuses; so does nb_dist."""
     assert issubclass(UnsafeLaunchError, ValueError)
@@ -92,6 +94,7 @@ def _environment(tag, folder):
     return error_file
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(120)
 def test_worker_environment_is_a_superset_of_accelerates(tmp_path):
     accelerate.notebook_launcher(_environment, ("acc", tmp_path), num_processes=2)

@@ -11,6 +11,9 @@ import nb_dist
 import nb_dist.teach
 import nb_dist.views
 
+#: Unit tests and quick launches: all in the fast lane (python -m pytest -m fast).
+pytestmark = pytest.mark.fast
+
 PUBLIC = [
     "AllReduceStepper",
     "GradientView",

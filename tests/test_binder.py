@@ -6,9 +6,13 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
 import tomllib
 from packaging.requirements import Requirement
 from packaging.version import Version
+
+#: Unit tests and quick launches: all in the fast lane (python -m pytest -m fast).
+pytestmark = pytest.mark.fast
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -55,6 +55,7 @@ def test_demo_trains_with_ddp_and_prints_a_summary_per_rank():
     assert re.search(r"wall time: \d+\.\d\d s", out)
 
 
+@pytest.mark.fast
 def test_zero_processes_is_refused_with_the_launchers_message():
     """`--num-processes 0` exits non-zero with the launcher's refusal naming num_processes."""
     proc = _run("demo", "--num-processes", "0")
@@ -78,6 +79,7 @@ def test_a_failing_rank_exits_1_and_names_the_root_cause():
     assert "parameters identical" not in proc.stdout  # no summary after a failure
 
 
+@pytest.mark.fast
 def test_version_and_help():
     """`--version` prints nb_dist.__version__ (module and console script); help lists options."""
     expected = f"nb_dist {nb_dist.__version__}"
@@ -131,6 +133,7 @@ def test_run_demo_with_spawn_and_bf16(capsys):
         assert re.search(rf"^\[rank {rank}\] done: .*\(mixed precision bf16\)$", out, re.MULTILINE)
 
 
+@pytest.mark.fast
 def test_run_demo_refuses_zero_epochs():
     """epochs=0 is refused before anything starts, naming the argument."""
     with pytest.raises(ValueError, match=r"epochs=0 must be a positive whole number"):

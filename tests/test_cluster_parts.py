@@ -21,6 +21,9 @@ from nb_dist._cluster._placement import bundles, infeasible
 from nb_dist._node._outbox import Batch
 from nb_dist._shared import _protocol
 
+#: Unit tests and quick launches: all in the fast lane (python -m pytest -m fast).
+pytestmark = pytest.mark.fast
+
 
 def test_layout_groups_ranks_by_node_id_not_by_address():
     # Three agents, two of them on one node (PACK may do that): local ranks run across them.

@@ -18,6 +18,9 @@ import pytest
 
 from nb_dist._shared import _collectives
 
+#: Unit tests and quick launches: all in the fast lane (python -m pytest -m fast).
+pytestmark = pytest.mark.fast
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # Rank 0 of a world of 1: every counted kind of call, then what it saw, as JSON on stdout.

@@ -12,7 +12,7 @@ import pytest
 
 from nb_dist._kernel._preflight import ask_in_child
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.fast, pytest.mark.timeout(60)]
 
 
 def _children() -> set[int]:

@@ -81,6 +81,7 @@ def _fail(kc) -> int:
 
 
 # ----------------------------------------------------------------------------- post-mortem
+@pytest.mark.fast
 def test_post_mortem_opens_pdb_in_the_failed_rank(kernel):
     _, kc = kernel
     pid = _fail(kc)
@@ -135,6 +136,7 @@ def test_a_held_rank_dies_with_the_kernel(kernel):
     assert_all_gone([pid], within=2.0)
 
 
+@pytest.mark.fast
 def test_debug_mode_is_checked():
     with pytest.raises(
         ValueError, match=r"debug='later' is not supported. Use one of 'postmortem'"

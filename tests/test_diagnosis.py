@@ -21,6 +21,9 @@ from nb_dist._kernel._diagnosis import (
 )
 from nb_dist._shared._collectives import CollectiveState
 
+#: Unit tests and quick launches: all in the fast lane (python -m pytest -m fast).
+pytestmark = pytest.mark.fast
+
 TORCH = "/venv/lib/python3.11/site-packages/torch"
 ALL_REDUCE = [
     ("/tmp/ipykernel_1/123.py", 9, "train"),

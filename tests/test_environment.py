@@ -20,6 +20,9 @@ import torch.distributed as dist
 import nb_dist
 from nb_dist import WorkerFailedError, notebook_launcher
 
+#: Unit tests and quick launches: all in the fast lane (python -m pytest -m fast).
+pytestmark = pytest.mark.fast
+
 _ENV_NAMES = (
     "RANK",
     "LOCAL_RANK",

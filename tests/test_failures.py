@@ -223,6 +223,7 @@ def _all_reduce_sum():
 
 
 # ----------------------------------------------------------------------------- failures
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 def test_exception_names_root_cause_and_stops_blocked_rank_fast(tmp_path):
     """A rank that raises while another waits in all_reduce: root cause, traceback, fast stop."""
@@ -303,6 +304,7 @@ def test_three_ranks_root_cause_is_the_raiser_not_rank_0(tmp_path):
         ("sys_exit_2", "rank 1 failed first: SystemExit: 2", None, None),
     ],
 )
+@pytest.mark.fast
 def test_process_death_is_reported_with_its_cause(
     tmp_path, how, expected_head, signal_name, exit_code
 ):
@@ -352,6 +354,7 @@ def test_sys_exit_zero_is_success_with_value_none(tmp_path):
 
 
 # ----------------------------------------------------------------------------- timeout
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 def test_timeout_shows_where_a_deadlocked_rank_is_blocked(tmp_path):
     """A deadlock under timeout=3 raises LaunchTimeoutError naming rank 0's all_reduce line."""

@@ -52,6 +52,7 @@ def kernel_compute():
 
 
 # ------------------------------------------------------------------ 1. OpenMP and fork
+@pytest.mark.fast
 @pytest.mark.timeout(120)
 def test_launch_after_kernel_compute_keeps_its_threads(module_kernel):
     """Compute in the kernel, then 2 ranks x 2 threads: they finish, with 2 threads, and say so."""

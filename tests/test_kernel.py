@@ -83,6 +83,7 @@ def _boot(kc) -> None:
 
 
 # ----------------------------------------------------------------------------- output
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 def test_rank_output_lands_in_the_launching_cell(module_kernel):
     """Every rank's lines are attached to the launching cell, before its idle, none after."""
@@ -152,6 +153,7 @@ def test_print_reaches_the_cell_while_the_function_still_runs(module_kernel, tmp
 
 
 # ----------------------------------------------------------------------------- failures
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 def test_failure_shows_root_cause_with_cell_label(module_kernel, tmp_path):
     """A rank's ValueError surfaces as WorkerFailedError naming Cell In[N] and the raise line."""
@@ -252,6 +254,7 @@ def test_timeout_stacks_name_the_cell(module_kernel):
 
 
 # ----------------------------------------------------------------------------- interrupt
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 def test_interrupt_stops_workers_and_leaves_the_kernel_clean(module_kernel, tmp_path):
     """Interrupting the kernel ends the cell with KeyboardInterrupt, the workers stopped and

@@ -17,6 +17,9 @@ from pathlib import Path
 
 import pytest
 
+#: Unit tests and quick launches: all in the fast lane (python -m pytest -m fast).
+pytestmark = pytest.mark.fast
+
 PACKAGE = Path(__file__).resolve().parent.parent / "nb_dist"
 
 # What each layer may import from nb_dist (by module-name prefix); the layer itself is allowed.

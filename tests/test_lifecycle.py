@@ -83,6 +83,7 @@ def _alive(pid: int) -> bool:
 
 
 # ----------------------------------------------------------------------------- interrupt
+@pytest.mark.fast
 @pytest.mark.timeout(90)
 def test_keyboard_interrupt_stops_workers_and_next_launch_works(tmp_path):
     """SIGINT to the launching process: plain KeyboardInterrupt, the workers stopped and reaped
@@ -120,6 +121,7 @@ def test_keyboard_interrupt_stops_workers_and_next_launch_works(tmp_path):
 
 
 # ----------------------------------------------------------------------------- parent death
+@pytest.mark.fast
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
 def test_workers_die_with_the_launching_process(tmp_path, start_method):

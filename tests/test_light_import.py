@@ -3,6 +3,9 @@
 A rank, a Ray node agent, a script and ``nb-dist run`` import only their own side: no
 widgets, no IPython (0.07 s of it), and ``import nb_dist`` alone not even torch. What the
 import still does (``_kernel/_at_import.py``) happens only where it is needed. Each check
+
+#: Unit tests and quick launches: all in the fast lane (python -m pytest -m fast).
+pytestmark = pytest.mark.fast
 runs in a fresh interpreter: what this test process has imported tells nothing.
 """
 

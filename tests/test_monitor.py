@@ -38,6 +38,7 @@ def _plot(monitor: LaunchMonitor):
 
 
 # ----------------------------------------------------------------------------- outside a kernel
+@pytest.mark.fast
 def test_monitor_true_outside_a_kernel_runs_with_plain_labelled_output(capsys):
     """monitor=True in a script: no widget is displayed, the labelled text output is all."""
     assert not kernel_frontend_possible()
@@ -54,6 +55,7 @@ def test_monitor_true_outside_a_kernel_runs_with_plain_labelled_output(capsys):
     assert "LaunchMonitor" not in out  # display() outside IPython would print the repr
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("value", ["yes", 1, None])
 def test_monitor_must_be_a_bool(value):
     """monitor= anything but True/False is refused with a TypeError naming it."""
@@ -63,6 +65,7 @@ def test_monitor_must_be_a_bool(value):
 
 
 # ----------------------------------------------------------------------------- observer hooks
+@pytest.mark.fast
 def test_monitor_widgets_follow_the_observer_hooks():
     """started/lines/progress/reports/finished/close drive the rows, bar, plot and classes."""
     monitor = LaunchMonitor([0, 1])
@@ -134,6 +137,7 @@ def test_monitor_widgets_follow_the_observer_hooks():
     assert repr(monitor) == "LaunchMonitor(2 ranks)"
 
 
+@pytest.mark.fast
 def test_monitor_close_after_an_interrupt_marks_live_ranks_stopped():
     """close(interrupted=True): ranks still starting or running show 'stopped'; collateral
     failures show as failed with their message."""
@@ -243,6 +247,7 @@ def test_monitor_in_a_real_kernel_displays_and_updates_widgets(kernel, tmp_path)
     assert not run.late
 
 
+@pytest.mark.fast
 def test_monitor_shows_a_rank_paused_in_the_debugger():
     """paused(True) while a rank waits at a pdb prompt (nb_dist.breakpoint), then running."""
     monitor = LaunchMonitor([0, 1])

@@ -77,6 +77,7 @@ def _wait_for_workers(process: subprocess.Popen, count: int, within: float) -> N
     raise AssertionError(f"node 1 did not start {count} workers within {within} s")
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("order", ["node0_first", "node1_first"])
 def test_two_nodes_on_loopback_form_one_world(capsys, order):

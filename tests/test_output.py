@@ -25,6 +25,9 @@ from nb_dist._kernel._tracebacks import (
 )
 from nb_dist._shared._frames import ENTRY_FILE, FUNCTION_CALL
 
+#: Unit tests and quick launches: all in the fast lane (python -m pytest -m fast).
+pytestmark = pytest.mark.fast
+
 THIS_FILE = os.path.basename(__file__)
 N_LINES = 2000
 

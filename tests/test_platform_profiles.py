@@ -16,6 +16,9 @@ import tomllib
 from packaging.requirements import Requirement
 from packaging.version import Version
 
+#: Unit tests and quick launches: all in the fast lane (python -m pytest -m fast).
+pytestmark = pytest.mark.fast
+
 PLATFORMS = Path(__file__).resolve().parent.parent / ".ci" / "platforms"
 PYPROJECT = PLATFORMS.parent.parent / "pyproject.toml"
 

@@ -24,6 +24,9 @@ import nb_dist
 from nb_dist import UnsafeLaunchError, WorkerFailedError, notebook_launcher
 from nb_dist._kernel._plan import device_choice
 
+#: Unit tests and quick launches: all in the fast lane (python -m pytest -m fast).
+pytestmark = pytest.mark.fast
+
 
 # ---------------------------------------------------------------- worker functions
 def _touch_marker(path):

@@ -49,6 +49,7 @@ def test_each_rank_has_the_process_group_and_its_own_namespace(ranks):
     assert [t.tolist() for t in pulled] == [[0.0, 0.0], [1.0, 1.0]]
 
 
+@pytest.mark.fast
 def test_state_survives_between_tasks_and_collectives_work(ranks):
     ranks.exec("t = torch.tensor([float(dist.get_rank() + 1)])")
     ranks.exec("dist.all_reduce(t)")
@@ -91,6 +92,7 @@ def test_output_is_labelled_and_kept_in_logs(ranks, capsys):
 
 
 # ----------------------------------------------------------------------------- failures
+@pytest.mark.fast
 def test_a_failure_on_one_rank_leaves_the_session_usable(ranks):
     with pytest.raises(WorkerFailedError) as info:
         ranks.exec("if dist.get_rank() == 1:\n    raise ValueError('bad shard')\nx = 1")
@@ -480,6 +482,7 @@ def test_hang_notice_none_keeps_a_cell_quiet(tmp_path, monkeypatch):
 
 
 # ----------------------------------------------------------------------------- deadlocks
+@pytest.mark.fast
 def test_a_collective_only_some_ranks_call_ends_the_cell_without_a_timeout(ranks):
     """The classroom mistake: no --timeout, yet the cell ends (within about half a second of
     rank 1 finishing) with which collective, who finished after how many, rank 0's line."""

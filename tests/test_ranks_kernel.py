@@ -53,6 +53,7 @@ def test_ranks_start_with_the_notebooks_namespace_and_run_uses_rank_state(kernel
     execute(kc, "ranks.close()").expect_ok()
 
 
+@pytest.mark.fast
 def test_ranks_cells_show_labelled_output_and_values(kernel):
     _, kc = kernel
     execute(kc, "ranks = nb_dist.Ranks(2)").expect_ok()

@@ -32,6 +32,9 @@ from nb_dist._shared import _reporting as reporting_module
 from nb_dist.views import ring_allreduce_steps
 from nb_dist.views._display import figure_png
 
+#: Unit tests and quick launches: all in the fast lane (python -m pytest -m fast).
+pytestmark = pytest.mark.fast
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 MANY = 20_000
 

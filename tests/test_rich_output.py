@@ -46,6 +46,7 @@ def _rich(run, kind="display_data"):
     return [m.content for m in run.mine if m.msg_type == kind]
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(90)
 def test_rank0_displays_arrive_rich_in_the_cell(module_kernel):
     _, kc = module_kernel

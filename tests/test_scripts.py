@@ -71,6 +71,7 @@ def test_a_crash_on_one_rank_is_restarted_from_the_snapshot(tmp_path, capsys):
     assert sums[0] == sums[1]
 
 
+@pytest.mark.fast
 def test_a_failing_script_names_its_own_line_and_exit_status(tmp_path):
     script = tmp_path / "fails.py"
     script.write_text(
@@ -124,6 +125,7 @@ def test_a_script_runs_as_main_with_its_folder_on_the_path(tmp_path):
     assert list(run_script(str(script), "a b", 3, num_processes=2)) == [0, 0]
 
 
+@pytest.mark.fast
 def test_a_path_that_is_not_a_file_is_refused_before_anything_starts(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"run_script\(path='nope\.py'\): no such file"):
         run_script("nope.py", num_processes=2)
@@ -133,6 +135,7 @@ def test_a_path_that_is_not_a_file_is_refused_before_anything_starts(tmp_path):
         run_script(3, num_processes=2)  # type: ignore[arg-type]
 
 
+@pytest.mark.fast
 def test_script_arguments_must_be_text_and_args_is_refused():
     with pytest.raises(TypeError, match=r"script argument 2 is \[1\] \(list\)"):
         run_script(SCRIPT, "1", [1], num_processes=2)  # type: ignore[arg-type]
@@ -223,6 +226,7 @@ def test_ctrl_c_stops_every_rank_of_the_command(tmp_path):
     assert_all_gone(pids)
 
 
+@pytest.mark.fast
 def test_run_script_is_public():
     assert "run_script" in nb_dist.__all__ and nb_dist.run_script is run_script
     assert os.path.exists(SCRIPT)

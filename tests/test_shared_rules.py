@@ -13,6 +13,9 @@ from nb_dist._kernel._options import LaunchOptions
 from nb_dist._shared._env import switched_off
 from nb_dist._shared._net import is_loopback
 
+#: Unit tests and quick launches: all in the fast lane (python -m pytest -m fast).
+pytestmark = pytest.mark.fast
+
 
 @pytest.mark.parametrize(
     "host", ["localhost", "localhost.localdomain", "ip6-localhost", "127.0.0.1", "127.1.2.3",

@@ -1,9 +1,13 @@
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from nb_dist import notebook_launcher
+
+#: Unit tests and quick launches: all in the fast lane (python -m pytest -m fast).
+pytestmark = pytest.mark.fast
 
 
 def _allreduce(scale):

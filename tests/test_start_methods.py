@@ -20,7 +20,7 @@ from process_helpers import assert_all_gone
 
 from nb_dist import WorkerFailedError, notebook_launcher
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = [pytest.mark.fast, pytest.mark.timeout(90)]
 
 
 # ---------------------------------------------------------------- worker functions

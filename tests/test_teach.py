@@ -22,6 +22,9 @@ from nb_dist.teach._editions import (
 )
 from nb_dist.teach.exercises import same
 
+#: Unit tests and quick launches: all in the fast lane (python -m pytest -m fast).
+pytestmark = pytest.mark.fast
+
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 
 

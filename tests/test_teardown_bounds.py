@@ -17,7 +17,7 @@ import pytest
 from nb_dist._kernel import _processes
 from nb_dist._kernel._processes import process_state, reap_within, report_unreaped
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.fast, pytest.mark.timeout(60)]
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ from nb_dist import notebook_launcher
 from nb_dist._rank import _groups, _rendezvous
 from nb_dist._shared import _torch_compat
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.fast, pytest.mark.timeout(120)]
 
 
 def _hooks_in_this_rank() -> dict[str, bool]:

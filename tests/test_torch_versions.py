@@ -15,6 +15,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from nb_dist import notebook_launcher
 from nb_dist.teach import all_gather_single, ddp_buffer_sync, reduce_scatter_single, torch_name
 
+#: Unit tests and quick launches: all in the fast lane (python -m pytest -m fast).
+pytestmark = pytest.mark.fast
+
 
 def test_torch_name_is_a_function_this_torch_has():
     for name in ("all_gather_single", "reduce_scatter_single", "all_reduce"):

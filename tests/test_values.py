@@ -12,6 +12,9 @@ import torch
 from nb_dist import notebook_launcher
 from nb_dist._shared import _values
 
+#: Unit tests and quick launches: all in the fast lane (python -m pytest -m fast).
+pytestmark = pytest.mark.fast
+
 BIG = _values.OUT_OF_BAND  # bytes: the smallest tensor that crosses out of band
 
 

@@ -32,6 +32,9 @@ from nb_dist.views import (
     scaler_step,
 )
 
+#: Unit tests and quick launches: all in the fast lane (python -m pytest -m fast).
+pytestmark = pytest.mark.fast
+
 WIDGET_KEY = "application/vnd.jupyter.widget-view+json"
 
 

@@ -51,6 +51,7 @@ def _run(kwargs: str, env: dict[str, str] | None = None) -> dict:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.fast
 @pytest.mark.timeout(180)
 def test_second_launch_inherits_what_the_first_imported():
     result = _run("")
@@ -70,6 +71,7 @@ def test_opt_out(kwargs, env):
     assert result == expected
 
 
+@pytest.mark.fast
 def test_bad_option_is_refused():
     from nb_dist import notebook_launcher
 
@@ -77,6 +79,7 @@ def test_bad_option_is_refused():
         notebook_launcher(print, num_processes=1, warm_imports="yes")
 
 
+@pytest.mark.fast
 def test_worth_importing_keeps_safe_subtree_roots():
     new = {
         "torch._dynamo", "torch._dynamo.eval_frame", "torch._dynamo.utils", "sympy",

@@ -7,6 +7,9 @@ import pytest
 
 from nb_dist._kernel import _watchdogs as w
 
+#: Unit tests and quick launches: all in the fast lane (python -m pytest -m fast).
+pytestmark = pytest.mark.fast
+
 
 def test_a_run_is_late_only_past_its_deadline_plus_the_time_at_a_prompt():
     assert not w.late(None, 0.0, 1e9)  # no deadline: never late
