@@ -21,9 +21,10 @@ from .._kernel._observer import Observer
 from .._kernel._options import LaunchOptions
 from .._kernel._output import OutputRouter
 from .._kernel._plan import LaunchPlan
-from .._kernel._supervisor import AttemptResult, Supervisor
+from .._kernel._supervisor import AttemptResult
 from . import _connect, _placement, _remote_ranks, _remote_run
 from ._gang import Gang
+from ._remote_run import ClusterHost
 
 _open: weakref.WeakSet[RayCluster] = weakref.WeakSet()
 
@@ -124,11 +125,13 @@ class RayCluster:
         gang = self._gang_for(plan.nprocs, plan.start_method)
         return _remote_run.run_attempt(gang, plan, number, router, observer, self._release)
 
-    def start_session(self, plan: LaunchPlan, number: int, router: OutputRouter) -> Supervisor:
-        """Live ranks on the agents (``nb_dist.Ranks(cluster=...)``)."""
-        return _remote_ranks.start_session(
-            self._gang_for(plan.nprocs, plan.start_method), plan, number, router
-        )
+    def session_host(
+        self, plan: LaunchPlan, number: int
+    ) -> tuple[list[dict[str, str]], ClusterHost]:
+        """Live ranks on the agents (``nb_dist.Ranks(cluster=...)``): their environments and
+        their host."""
+        gang = self._gang_for(plan.nprocs, plan.start_method)
+        return _remote_ranks.session_host(gang, plan, number)
 
     def interrupted(self) -> None:
         """■ stopped the ranks (the run ended on every agent as the supervisor closed); the

@@ -7,7 +7,7 @@ argument or global did not pickle), and the placement group is reserved before a
 starts. :func:`run_attempt` opens the rendezvous store on rank 0's node, gives each rank the
 environment torchrun would give it there (``LOCAL_RANK``, ``NODE_RANK``, ``LOCAL_WORLD_SIZE``
 by Ray node id; ``MASTER_ADDR`` the node's cluster address), and runs the kernel's own
-``Supervisor`` over the forwarded pipes (:class:`ClusterSupervisor`).
+``Supervisor`` over the forwarded pipes, its ranks hosted by the agents (:class:`ClusterHost`).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import os
 import shutil
 import types
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 from typing import Any
 
 from .._kernel import _plan
@@ -25,6 +26,7 @@ from .._kernel._observer import Observer
 from .._kernel._options import LaunchOptions
 from .._kernel._output import OutputRouter
 from .._kernel._plan import LaunchPlan
+from .._kernel._rank_handle import Rank
 from .._kernel._supervisor import AttemptResult, Supervisor
 from .._node._agent import widen
 from .._shared import _protocol, _shipping
@@ -163,18 +165,18 @@ def run_attempt(
     """Run attempt ``number`` on the gang: (result, store port). ``on_lost()`` runs after a
     run that lost a node (or an agent), however it ended."""
     folder = scratch_folder("nb_dist_cluster_")
-    supervisor: ClusterSupervisor | None = None
+    host = ClusterHost(gang)
     try:
         address, port = gang.open_store(plan.world_size)
         envs = [cluster_env(plan, gang, r, address, port, number, folder) for r in plan.ranks]
-        supervisor = ClusterSupervisor(plan, envs, router, observer, gang)
+        supervisor = Supervisor(plan, envs, router, observer, host)
         try:
             return supervisor.run(), port
         finally:
             router.finish()
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-        if supervisor is not None and supervisor.node_lost:
+        if host.node_lost:
             on_lost()
 
 
@@ -203,22 +205,19 @@ def cluster_env(
     return env
 
 
-class ClusterSupervisor(Supervisor):
-    """The kernel's supervisor, its ranks started by the gang's agents (``_start_all``) and
-    their forwarder stopped with the run (``_close``); everything else is the local one."""
+class ClusterHost:
+    """The supervisor's :class:`~nb_dist._kernel._supervisor.RankHost` for ranks on the
+    gang's nodes: the agents start them, their pipes are forwarded into the kernel's, and
+    the run ends on every agent when the supervisor is done (or the held rank's post-mortem
+    is). A live session's host also gives back its scratch folder and the gang's agents."""
 
-    def __init__(
-        self,
-        plan: LaunchPlan,
-        worker_env: list[dict[str, str]],
-        router: OutputRouter,
-        observer: Observer | None,
-        gang: Gang,
-    ) -> None:
-        super().__init__(plan, worker_env, router, observer)
+    def __init__(self, gang: Gang, session_folder: str | None = None) -> None:
         self._gang = gang
         self._forwarder: Forwarder | None = None
         self._forwarding_ended = False
+        self._session_folder = session_folder
+        if session_folder is not None:
+            gang.session = self  # its agents run no launch until this session closes
 
     @property
     def node_lost(self) -> bool:
@@ -226,23 +225,24 @@ class ClusterSupervisor(Supervisor):
         links = self._forwarder.links if self._forwarder is not None else []
         return any(link.lost is not None for link in links)
 
-    def _start_all(self) -> None:
-        plan, lay = self.config, self._gang.layout
+    def start(self, supervisor: Supervisor) -> Connection | None:
+        plan, lay, workers = supervisor.config, self._gang.layout, supervisor.workers
         specs = [
             dataclasses.replace(
-                plan.worker_spec(r, self.worker_env[r], []), local_rank=lay.local_rank[r]
+                plan.worker_spec(r, supervisor.worker_env[r], []), local_rank=lay.local_rank[r]
             )
             for r in range(plan.nprocs)
         ]
-        theirs = [worker.open_pipes() for worker in self.workers]
+        theirs = [worker.open_pipes() for worker in workers]
         for ends in theirs:
             widen(ends["control"])  # a large value crosses the kernel's pipe in 1 MB writes
-        mirrors = [env.get(COLLECTIVES_ENV) for env in self.worker_env]
+        mirrors = [env.get(COLLECTIVES_ENV) for env in supervisor.worker_env]
         try:
             self._forwarder, processes = self._gang.start(
-                plan.start_method, specs, theirs, mirrors, self._on_lost
-            )
-            for rank, (worker, process) in enumerate(zip(self.workers, processes, strict=True)):
+                plan.start_method, specs, theirs, mirrors,
+                lambda rank: self._on_lost(workers[rank], rank),
+            )  # fmt: skip
+            for rank, (worker, process) in enumerate(zip(workers, processes, strict=True)):
                 worker.process = process
                 worker.outcome.pid = process.pid
                 worker.clock_offset = self._gang.clock_offsets[lay.agent[rank]]
@@ -251,12 +251,9 @@ class ClusterSupervisor(Supervisor):
                 for conn in ends.values():
                     conn.close()
             raise
-        finally:
-            for worker in self.workers:
-                self._pump.add(worker)
+        return None  # the agents hold the lifelines of their ranks
 
-    def _on_lost(self, rank: int) -> OnLost:
-        worker = self.workers[rank]
+    def _on_lost(self, worker: Rank, rank: int) -> OnLost:
         node = self._gang.nodes[self._gang.layout.agent[rank]]
 
         def lost(reason: str, at: float) -> None:
@@ -276,18 +273,25 @@ class ClusterSupervisor(Supervisor):
 
         return lost
 
-    def _close(self) -> None:
-        super()._close()
-        if self.held is not None and self.held.alive:
-            return  # held for a post-mortem: its release ends the forwarding (below)
-        self._end_forwarding()
+    def close(self) -> None:
+        """Stop the run's forwarder and end the run on every agent (once); a session's
+        scratch folder and agents are given back too."""
+        try:
+            if self._forwarder is not None and not self._forwarding_ended:
+                self._forwarding_ended = True
+                self._forwarder.stop()
+                self._gang.end_run(self._forwarder.links)
+        finally:
+            if self._session_folder is not None:
+                shutil.rmtree(self._session_folder, ignore_errors=True)
+                if self._gang.session is self:
+                    self._gang.session = None
 
-    def _after_post_mortem(self) -> Callable[[], None]:
-        return self._end_forwarding
-
-    def _end_forwarding(self) -> None:
-        """Stop the run's forwarder and end the run on every agent (once)."""
-        if self._forwarder is not None and not self._forwarding_ended:
-            self._forwarding_ended = True
-            self._forwarder.stop()
-            self._gang.end_run(self._forwarder.links)
+    def endpoints(self) -> list[tuple[str, int]] | None:
+        """Every rank's TCP socket addresses, read by each node's agent (the ranks run
+        there): what idle ranks drop their connections to, to free a blocked one."""
+        links = self._forwarder.links if self._forwarder is not None else []
+        found: set[tuple[str, int]] = set()
+        for link in links:
+            found.update((str(ip), int(port)) for ip, port in link.call("endpoints") or [])
+        return sorted(found)

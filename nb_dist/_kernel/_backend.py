@@ -8,7 +8,7 @@ store and processes: the cluster's agents start the ranks, and their pipes are f
 local ones, so the supervisor, the output, the diagnosis and the results are the local
 ones). After an interrupt the launcher calls :meth:`ClusterBackend.interrupted` so the
 cluster checks what it keeps for the next launch; live ranks start through
-:meth:`ClusterBackend.start_session`.
+:meth:`ClusterBackend.session_host`.
 ``nb_dist._cluster.RayCluster`` is the one implementation;
 this module names only the protocol, so the kernel never imports a cluster engine.
 """
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from ._options import LaunchOptions
     from ._output import OutputRouter
     from ._plan import LaunchPlan
-    from ._supervisor import AttemptResult, Supervisor
+    from ._supervisor import AttemptResult, RankHost
 
 
 class ClusterBackend(Protocol):
@@ -38,8 +38,9 @@ class ClusterBackend(Protocol):
         """Run attempt ``number``: its result and the rendezvous port."""
         ...
 
-    def start_session(self, plan: LaunchPlan, number: int, router: OutputRouter) -> Supervisor:
-        """Live ranks (``nb_dist.Ranks``) on the cluster: a started session supervisor."""
+    def session_host(self, plan: LaunchPlan, number: int) -> tuple[list[dict[str, str]], RankHost]:
+        """Where live ranks (``nb_dist.Ranks``) run on the cluster: each rank's environment
+        and the host their session supervisor starts and ends them through."""
         ...
 
     def interrupted(self) -> None:

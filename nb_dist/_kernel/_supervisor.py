@@ -5,8 +5,11 @@ Everything here runs in the thread that called the launcher (the cell's thread),
 an interrupt arrives there as ``KeyboardInterrupt`` and tears the workers down; and every
 worker is reaped and every pipe drained before control returns to the cell.
 
-How a worker is started and reaped is in ``_processes.py``, what it says on its control pipe
-in ``_protocol.py``, and what a stuck or failed launch means in ``_diagnosis.py``. A rank's
+Where the ranks run is the supervisor's one injected part, its :class:`RankHost`: this
+machine (:class:`LocalHost`) or a cluster's node agents (``_cluster/_remote_run.ClusterHost``);
+the loop, the output, the diagnosis and the results are the same for both. How a worker is
+started and reaped is in ``_processes.py``, what it says on its control pipe in
+``_protocol.py``, and what a stuck or failed launch means in ``_diagnosis.py``. A rank's
 status changes in one place, :meth:`Supervisor._set_status`.
 """
 
@@ -17,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from .._rank._spec import WorkerSpec
 from .._shared import _protocol
@@ -55,6 +58,44 @@ class AttemptResult:
     durations: list[float | None]
 
 
+class RankHost(Protocol):
+    """Where a supervisor's ranks run: what starting them takes, and ending what was started
+    for them (their processes and pipes are the supervisor's ``Rank`` handles either way)."""
+
+    def start(self, supervisor: Supervisor) -> Connection | None:
+        """Start every rank of ``supervisor`` (each ``Rank`` gets its process and pipes), or
+        raise with none left running; the lifeline whose closing ends them, if held here."""
+        ...
+
+    def close(self) -> None:
+        """The run is over and the supervisor's pipe ends are closed: end what was started
+        for it. With a rank held for a post-mortem, called when that ends instead."""
+        ...
+
+    def endpoints(self) -> list[tuple[str, int]] | None:
+        """Every rank's TCP socket addresses, read where the ranks run (``None``: they run
+        on this machine, read them here)."""
+        ...
+
+
+class LocalHost:
+    """Ranks on this machine, started by ``_start.py`` (fork, spawn or forkserver)."""
+
+    def start(self, supervisor: Supervisor) -> Connection | None:
+        plan = supervisor.config
+
+        def spec_for(index: int, kernel_fds: list[int]) -> WorkerSpec:
+            return plan.worker_spec(index, supervisor.worker_env[index], kernel_fds)
+
+        return _start.start_all(plan.start_method, supervisor.workers, spec_for)
+
+    def close(self) -> None:
+        pass  # the ranks are reaped and their pipes closed by the supervisor
+
+    def endpoints(self) -> list[tuple[str, int]] | None:
+        return None
+
+
 class Supervisor:
     """Runs one attempt: ``run()`` returns per-rank values or raises a launch error."""
 
@@ -64,9 +105,12 @@ class Supervisor:
         worker_env: list[dict[str, str]],
         router: OutputRouter,
         observer: Observer | None,
+        host: RankHost | None = None,
     ) -> None:
         self.config = plan
         self.worker_env = worker_env
+        #: Where the ranks run (this machine unless a cluster's host is given).
+        self.host: RankHost = host if host is not None else LocalHost()
         self.workers = [
             Rank(i, r, int(env["LOCAL_RANK"]) if "LOCAL_RANK" in env else None)
             for i, (r, env) in enumerate(zip(plan.ranks, worker_env, strict=True))
@@ -131,14 +175,9 @@ class Supervisor:
 
     # ----------------------------------------------------------------- start
     def _start_all(self) -> None:
-        """Start every rank (``_start.py``), then watch its pipes."""
-        plan = self.config
-
-        def spec_for(local_rank: int, kernel_fds: list[int]) -> WorkerSpec:
-            return plan.worker_spec(local_rank, self.worker_env[local_rank], kernel_fds)
-
+        """Start every rank (where the host runs them), then watch its pipes."""
         try:
-            self._lifeline = _start.start_all(plan.start_method, self.workers, spec_for)
+            self._lifeline = self.host.start(self)
         finally:
             for worker in self.workers:
                 self._pump.add(worker)
@@ -373,9 +412,10 @@ class Supervisor:
                 worker.commands.close()
         self._pump.close()
         if self.held is not None and self.held.alive:
-            return  # the lifeline now belongs to the post-mortem (see _result)
+            return  # the lifeline and the host now end with the post-mortem (see _result)
         if self._lifeline is not None and not self._lifeline.closed:
             self._lifeline.close()
+        self.host.close()
 
     # ----------------------------------------------------------------- results
     def _result(self) -> AttemptResult:
@@ -406,7 +446,7 @@ class Supervisor:
         error = WorkerFailedError(message, root, outcomes, logs)
         if held is not None:
             error.post_mortem = _prompts.PostMortem(
-                held, self._lifeline, self.current.router, self._after_post_mortem()
+                held, self._lifeline, self.current.router, self.host.close
             )
             self._post_mortem_given = True
             _prompts.hook_debug_magic()
@@ -420,10 +460,6 @@ class Supervisor:
             w.stuck_view(w in live, frames.get(w.index), self.counter_file(w))
             for w in self.current.workers
         ]
-
-    def _after_post_mortem(self) -> Callable[[], None] | None:
-        """What ends with the held rank's post-mortem, besides the rank and the lifeline."""
-        return None
 
     def _held_at_its_prompt(self) -> Rank | None:
         """The held rank once its debugger has asked for a command (within 2 s); a rank that

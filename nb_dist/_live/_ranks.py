@@ -30,6 +30,7 @@ from .._kernel._options import LaunchOptions
 from .._kernel._output import OutputRouter
 from .._kernel._plan import LaunchPlan, check_arguments, decide
 from .._kernel._result import LaunchResult
+from .._kernel._supervisor import RankHost
 from .._shared import _protocol, _shipping
 from .._shared._protocol import RESERVED
 from . import _export
@@ -144,14 +145,15 @@ class Ranks:
             router = self._router()
             for text in plan.notices:
                 router.notice(text)
+            host: RankHost | None = None
             if plan.cluster is not None:  # the ranks on the cluster's nodes, its store there
-                started = plan.cluster.start_session(plan, self.restarts, router)
-                assert isinstance(started, SessionSupervisor)
-                supervisor = started
+                envs, host = plan.cluster.session_host(plan, self.restarts)
             else:
                 self._held.setup = AttemptSetup(plan, self.restarts, "nb_dist_ranks_")
-                supervisor = SessionSupervisor(plan, self._held.setup.envs, router, None)
-                supervisor.start()
+                envs = self._held.setup.envs
+            supervisor = SessionSupervisor(plan, envs, router, None, host)
+            supervisor.start()  # on failure it closes itself (its host too) and raises
+            if host is None:
                 _ports.started_worker_pids.update(self.pids_of(supervisor))
             self._held.supervisor = supervisor
             self._history.started(plan)

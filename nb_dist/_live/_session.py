@@ -38,7 +38,7 @@ from .._kernel._plan import LaunchPlan
 from .._kernel._processes import signal_name
 from .._kernel._pump import Policy, Run
 from .._kernel._rank_handle import Rank
-from .._kernel._supervisor import AttemptResult, Supervisor
+from .._kernel._supervisor import AttemptResult, RankHost, Supervisor
 from .._rank import _regroup
 from .._shared import _collectives, _protocol, _shipping
 
@@ -88,8 +88,9 @@ class SessionSupervisor(Supervisor):
         worker_env: list[dict[str, str]],
         router: OutputRouter,
         observer: Observer | None,
+        host: RankHost | None = None,
     ) -> None:
-        super().__init__(plan, worker_env, router, observer)
+        super().__init__(plan, worker_env, router, observer, host)
         self.current = Run(self.workers, router, observer, policy=_BETWEEN)
         self.task_count = 0
         #: Why the ranks were stopped, once they were (the session's state is gone).
@@ -303,7 +304,11 @@ class SessionSupervisor(Supervisor):
         return not failed and all(w.alive for w in self.workers)
 
     def _rank_endpoints(self) -> list[tuple[str, int]]:
-        """Every rank's TCP socket addresses (read here: the ranks are this machine's)."""
+        """Every rank's TCP socket addresses: read where the ranks run (on a cluster, by each
+        node's agent), else here."""
+        found = self.host.endpoints()
+        if found is not None:
+            return found
         pids = [w.process.pid for w in self.workers if w.process is not None]
         return _regroup.endpoints(pids)
 
