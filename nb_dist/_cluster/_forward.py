@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, NamedTuple
 
 from .._node._outbox import Batch
 
@@ -50,6 +50,15 @@ OnLost = Callable[[str, float], None]
 _log = logging.getLogger(__name__)
 
 
+class _Exit(NamedTuple):
+    """A rank's end as its node reported it: its exit code, when it ended (on the kernel's
+    clock, if known) and whether it had ended before any signal to stop it."""
+
+    code: int
+    at: float | None = None
+    unasked: bool = False
+
+
 class AgentLink:
     """The kernel's side of one agent in one run: the local pipe ends of its ranks, the bytes
     still to write into them, their exit codes, and whether the agent was lost (and why)."""
@@ -64,9 +73,9 @@ class AgentLink:
         self.positions: list[int] = []
         #: Ranks still running when the agent was lost (their end is the loss).
         self.ended_by_loss: set[int] = set()
-        self._exits: dict[int, int] = {}
-        self._ended: dict[int, float] = {}  # when each rank ended, on the kernel's clock
-        self._unasked: set[int] = set()  # ranks that ended before any signal to stop them
+        #: Each ended rank's exit: its code, when it ended on the kernel's clock (if its node
+        #: said), and whether it had ended before any signal to stop it.
+        self._exits: dict[int, _Exit] = {}
         self._lock = threading.Lock()
         self.lost: str | None = None
         self.lost_at: float | None = None
@@ -75,7 +84,7 @@ class AgentLink:
         # noted once their rank's bytes are all written (only the poll thread uses these).
         self._backlog: dict[tuple[int, str], collections.deque[memoryview]] = {}
         self._closing: set[tuple[int, str]] = set()
-        self._held_exits: dict[int, tuple[int, float, bool]] = {}
+        self._held_exits: dict[int, _Exit] = {}
         self.backlog_bytes = 0
 
     def add_rank(self, position: int, theirs: dict[str, Connection], mirror: str | None) -> None:
@@ -124,29 +133,26 @@ class AgentLink:
             self.lose(_reason(exc))
 
     def exit_code(self, position: int) -> int | None:
-        with self._lock:
-            return self._exits.get(position)
+        exit = self._exit_of(position)
+        return exit.code if exit is not None else None
 
     def ended_at(self, position: int) -> float | None:
         """When the rank ended as its node saw it, on the kernel's clock (if it has)."""
-        with self._lock:
-            return self._ended.get(position)
+        exit = self._exit_of(position)
+        return exit.at if exit is not None else None
 
     def ended_unasked(self, position: int) -> bool:
         """Whether the rank had ended before any signal to stop it (its node says)."""
-        with self._lock:
-            return position in self._unasked
+        exit = self._exit_of(position)
+        return exit is not None and exit.unasked
 
-    def set_exit(
-        self, position: int, code: int, at: float | None = None, unasked: bool = False
-    ) -> None:
+    def _exit_of(self, position: int) -> _Exit | None:
         with self._lock:
-            if position not in self._exits:
-                self._exits[position] = code
-                if at is not None:
-                    self._ended[position] = at
-                if unasked:
-                    self._unasked.add(position)
+            return self._exits.get(position)
+
+    def set_exit(self, position: int, exit: _Exit) -> None:
+        with self._lock:
+            self._exits.setdefault(position, exit)
 
     def deliver(self, batch: Batch) -> None:
         """Queue a poll's bytes for the local pipes and write what they take now; note the
@@ -172,19 +178,16 @@ class AgentLink:
                     finally:
                         os.close(fd)
         for position, (code, at, unasked) in batch.exits.items():
-            self._held_exits[position] = (code, at + self.offset, unasked)
+            self._held_exits[position] = _Exit(code, at + self.offset, unasked)
         self.flush()
 
     def flush(self) -> None:
         """Write what each pipe takes now, never waiting for one: a full pipe keeps its
         bytes for a later turn, and every other pipe is written meanwhile."""
         for key in list(self._backlog):
-            queue = self._backlog[key]
-            writer = self.writers.get(key)
-            if writer is None:  # pragma: no cover - a pipe is closed only once its bytes are out
-                queue.clear()
+            queue, writer = self._backlog[key], self.writers.get(key)
             try:
-                while queue and writer is not None:
+                while queue and writer is not None:  # None: closed since (the run ended)
                     written = os.write(writer.fileno(), queue[0])
                     self.backlog_bytes -= written
                     queue[0] = queue[0][written:]
@@ -198,12 +201,11 @@ class AgentLink:
             del self._backlog[key]
         for key in [k for k in self._closing if k not in self._backlog]:
             self._closing.discard(key)
-            writer = self.writers.pop(key, None)
-            if writer is not None:
-                writer.close()
+            closing = self.writers.pop(key, None)
+            if closing is not None:
+                closing.close()
         for position in [p for p in self._held_exits if not self._waiting(p)]:
-            code, at, unasked = self._held_exits.pop(position)
-            self.set_exit(position, code, at, unasked)
+            self.set_exit(position, self._held_exits.pop(position))
 
     def _waiting(self, position: int) -> bool:
         return any(key[0] == position for key in self._backlog)
@@ -221,7 +223,7 @@ class AgentLink:
         with self._lock:
             for position in self.positions:
                 if position not in self._exits:
-                    self._exits[position] = -signal.SIGKILL
+                    self._exits[position] = _Exit(-signal.SIGKILL)
                     self.ended_by_loss.add(position)
         if close_pipes:
             for key in list(self.writers):
@@ -270,10 +272,10 @@ class RemoteProcess:
         code = self._link.exit_code(self._position)
         if code is None:
             reaped = self._link.call("kill_and_reap", self._position)
-            code, unasked = (
-                (int(reaped[0]), bool(reaped[1])) if reaped else (-signal.SIGKILL, False)
-            )
-            self._link.set_exit(self._position, code, unasked=unasked)
+            code, unasked = -signal.SIGKILL, False
+            if reaped is not None:
+                code, unasked = int(reaped[0]), bool(reaped[1])
+            self._link.set_exit(self._position, _Exit(code, unasked=unasked))
         self.exit_code()  # a lost node is still the rank's failure
         return code
 
@@ -320,10 +322,13 @@ class Forwarder:
         ray = self.ray
         pending = {link.actor.poll.remote(link.run, POLL_WAIT): link for link in self.links}
         parked: list[AgentLink] = []  # answered, not polled again until their backlog shrinks
-        while (pending or parked or self._backlogged()) and not self._stop.is_set():
+        while not self._stop.is_set():
+            blocked = [fd for link in self.links for fd in link.blocked()]
+            if not (pending or parked or blocked):
+                return
             wait = POLL_WAIT
-            if self._backlogged():
-                _wait_for_room(self._backlogged(), BACKLOG_WAIT)
+            if blocked:
+                _wait_for_room(blocked, BACKLOG_WAIT)
                 for link in self.links:
                     link.flush()
                 wait = 0.0
@@ -357,9 +362,6 @@ class Forwarder:
                     parked.remove(link)
                 if link.lost is None:
                     pending[link.actor.poll.remote(link.run, POLL_WAIT)] = link
-
-    def _backlogged(self) -> list[int]:
-        return [fd for link in self.links for fd in link.blocked()]
 
     def _commands(self) -> None:
         selector = selectors.DefaultSelector()

@@ -146,8 +146,7 @@ class _Forked:
 
     def send_signal(self, sig: int) -> None:
         if self._code is None:
-            if not self._has_ended():
-                self._ends.asked()
+            self._ends.stop_sent(self._has_ended())
             signal_group(self.pid, sig)
 
     def signal_leader(self, sig: int) -> None:
@@ -158,8 +157,7 @@ class _Forked:
     def kill_and_reap(self) -> int:
         if self._code is not None:
             return self._code
-        if not self._has_ended():
-            self._ends.asked()
+        self._ends.stop_sent(self._has_ended())
         signal_group(self.pid, signal.SIGKILL)
         code = self._reap(within=REAP_WITHIN)
         if code is None:
@@ -208,16 +206,14 @@ class _FromForkserver:
         return self._ends.unasked
 
     def send_signal(self, sig: int) -> None:
-        if self.exit_code() is None:
-            self._ends.asked()
+        self._ends.stop_sent(self.exit_code() is not None)
         signal_group(self.pid, sig)
 
     def signal_leader(self, sig: int) -> None:
         os.kill(self.pid, sig)
 
     def kill_and_reap(self) -> int:
-        if self.exit_code() is None:
-            self._ends.asked()
+        self._ends.stop_sent(self.exit_code() is not None)
         signal_group(self.pid, signal.SIGKILL)
         self._process.join(timeout=5)  # only the server can reap; multiprocessing asks it
         code = self._process.exitcode
@@ -234,8 +230,10 @@ class _Ends:
         self.unasked = False
         self._seen = False
 
-    def asked(self) -> None:
-        self._asked = True
+    def stop_sent(self, ended_already: bool) -> None:
+        """A signal to stop it is being sent; ``ended_already``: it had ended before."""
+        if not ended_already:
+            self._asked = True
 
     def ended(self) -> None:
         if not self._seen:

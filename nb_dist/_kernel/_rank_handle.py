@@ -66,9 +66,6 @@ class Rank:
         self.ended_at: float | None = None
         self.control_closed_at: float | None = None
         self.stop_requested = False
-        #: When the kernel first asked it to stop: a rank that had died before that (seen
-        #: late, on another node) failed on its own; it was not stopped.
-        self.stop_requested_at: float | None = None
         # The rank's debugger (_debug.py): its prompt waiting for a line, what it printed.
         self.prompt: _protocol.DebugPrompt | None = None
         self.debugging = False
@@ -86,13 +83,12 @@ class Rank:
         )  # fmt: skip
         self.value, self.result, self.failure = None, None, None
         self.stack.clear()
-        self.stop_requested, self.stop_requested_at = False, None
+        self.stop_requested = False
 
     def request_stop(self) -> None:
-        """The kernel is stopping this rank (its end is then not a failure of its own)."""
+        """The kernel is stopping this rank: its end is not a failure of its own, unless its
+        process had ended before the stop reached it (``WorkerProcess.ended_unasked``)."""
         self.stop_requested = True
-        if self.stop_requested_at is None:
-            self.stop_requested_at = time.monotonic()
 
     @property
     def alive(self) -> bool:
@@ -142,22 +138,13 @@ class Rank:
             return "failed"
         if self.result is not None and code == 0:
             return "ok"
-        if self.stop_requested and not self._ended_before_stop():
+        ended_on_its_own = self.process is not None and self.process.ended_unasked()
+        if self.stop_requested and not ended_on_its_own:
             return "stopped"
         ends = [t for t in (self.control_closed_at, self._ended()) if t is not None]
         out.failed_at = min(ends) if ends else None
         out.message = ended_without_value(code, out.signal_name)
         return "failed"
-
-    def _ended_before_stop(self) -> bool:
-        """Whether the rank had ended before the kernel's stop reached it: seen ended before
-        the first signal to stop it, or (on another node) ended before the kernel asked. Its
-        death is then a failure of its own, however late the kernel learned of it (a rank on
-        another node whose death arrived after a peer's collateral error)."""
-        if self.process is not None and self.process.ended_unasked():
-            return True
-        asked, ended = self.stop_requested_at, self._ended()
-        return asked is not None and ended is not None and ended < asked
 
     def _ended(self) -> float | None:
         return self.ended_at if self.ended_at is not None else self.exited_at
