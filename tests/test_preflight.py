@@ -78,6 +78,21 @@ def _assert_mentions(message: str, *fragments: str) -> None:
 
 
 # ---------------------------------------------------------------- arguments
+def test_a_cluster_that_is_not_one_is_refused(tmp_path):
+    """cluster= takes a cluster object (its transport); an address string is the mistake a
+    learner makes, and the message says what to pass instead."""
+    message = _refused(tmp_path, TypeError, cluster="ray://head:10001")
+    _assert_mentions(message, "cluster='ray://head:10001'", "nb_dist.RayCluster(", "cluster=None")
+
+
+def test_live_ranks_refuse_a_cluster_that_is_not_one():
+    from nb_dist import Ranks
+
+    with pytest.raises(TypeError) as info:
+        Ranks(2, cluster="auto")
+    _assert_mentions(str(info.value), "cluster='auto'", "nb_dist.RayCluster(")
+
+
 def test_function_not_callable_is_refused():
     """Passing the result of a call instead of the function names the value and the fix."""
     with pytest.raises(TypeError) as info:

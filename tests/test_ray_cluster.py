@@ -40,9 +40,11 @@ RAY_SETTLES_WITHIN = 20.0
 
 
 # ----------------------------------------------------------------------------- the cluster
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    """A head and a worker node, one CPU each, Ray's files under the session's tmp path."""
+    """A head and a worker node, one CPU each, Ray's files under the session's tmp path;
+    shut down after this module, so the raylets and their workers are gone before the tests
+    that count this machine's processes (the order of test files is not a promise)."""
     from ray.cluster_utils import Cluster
 
     root = tmp_path_factory.mktemp("ray")

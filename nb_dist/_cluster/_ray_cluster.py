@@ -1,13 +1,13 @@
 """``nb_dist.RayCluster``: where a launch's ranks run when one machine is not enough.
 
 Runs in the kernel. ``notebook_launcher(fn, num_processes=8, cluster=RayCluster(...))``
-gives the launch to the cluster (``_kernel/_backend.py``): it reserves one placement-group
-bundle per node (``processes_per_node`` ranks' ``resources_per_rank`` each), puts a node
-agent in each and keeps them for later launches (the next launch reuses the agents and
-their fork servers), and runs each attempt over them (``_remote_run.py``). ■ stops the ranks
-and keeps the agents warm; :meth:`close` (or the end of a ``with`` block, or a lost node)
-gives the agents and the placement group back; when the kernel dies, Ray removes both with
-its driver.
+gives the launch to the cluster, its transport (``_kernel/_transport.py``): it reserves one
+placement-group bundle per node (``processes_per_node`` ranks' ``resources_per_rank``
+each), puts a node agent in each and keeps them for later launches (the next launch reuses
+the agents and their fork servers), and runs each attempt over them (``_remote_run.py``).
+■ stops the ranks and keeps the agents warm; :meth:`close` (or the end of a ``with`` block,
+or a lost node) gives the agents and the placement group back; when the kernel dies, Ray
+removes both with its driver.
 """
 
 from __future__ import annotations
@@ -106,9 +106,9 @@ class RayCluster:
             f"resources_per_rank={self.resources_per_rank!r})"
         )
 
-    # ------------------------------------------------------------------ the backend
+    # ------------------------------------------------------------------ the transport
     def decide(self, plan: LaunchPlan, options: LaunchOptions) -> LaunchPlan:
-        """The launch's plan on this cluster (``_kernel/_backend.py``); reserves the nodes."""
+        """The launch's plan on this cluster (``_kernel/_transport.py``); reserves the nodes."""
         gpus = self.resources_per_rank.get("GPU", 0.0) > 0
         if plan.device == "cuda" and not gpus:
             raise ValueError(

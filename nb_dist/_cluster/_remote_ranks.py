@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import shutil
 
-from .._kernel._attempt import scratch_folder
 from .._kernel._plan import LaunchPlan
+from .._shared._starting import scratch_folder
 from ._gang import Gang
 from ._remote_run import ClusterHost, cluster_env
 

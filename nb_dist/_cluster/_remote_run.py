@@ -21,7 +21,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from .._kernel import _plan
-from .._kernel._attempt import rank_env, scratch_folder
+from .._kernel._attempt import rank_env
 from .._kernel._observer import Observer
 from .._kernel._options import LaunchOptions
 from .._kernel._output import OutputRouter
@@ -31,6 +31,7 @@ from .._kernel._supervisor import AttemptResult, Supervisor
 from .._node._agent import widen
 from .._shared import _protocol, _shipping
 from .._shared._protocol import COLLECTIVES_ENV
+from .._shared._starting import scratch_folder
 from ._forward import Forwarder, OnLost
 from ._gang import Gang
 
@@ -57,12 +58,7 @@ def decide(
     method = "forkserver" if plan.start_method == "fork" else plan.start_method
     payload, shipped = ship(plan.function, plan.args)
     gang = gang_for(nprocs, method)
-    threads = options.threads_per_process
-    if threads is None and os.environ.get("OMP_NUM_THREADS", "").strip().isdigit():
-        threads = int(os.environ["OMP_NUM_THREADS"])
-    rdzv = plan.rendezvous_timeout
-    if options.rendezvous_timeout == "auto" and options.rdzv_conf is None:
-        rdzv = CLUSTER_RENDEZVOUS
+    conf_timeout, _ = _plan.read_rdzv_conf(options.rdzv_conf)  # checked already
     notice = f"shipped {shipped} to {nprocs} ranks on {gang.describe()}."
     return dataclasses.replace(
         plan,
@@ -71,11 +67,13 @@ def decide(
         num_nodes=gang.layout.num_nodes,
         start_method=method,
         use_gpu=use_gpu,
-        threads=threads or gang.threads_per_rank,
+        threads=_plan.threads_for(options.threads_per_process, gang.threads_per_rank),
         warm_imports=False,
         payload=payload,
         linecache_entries=_plan._cell_sources(),
-        rendezvous_timeout=rdzv,
+        rendezvous_timeout=_plan.rendezvous_limit(
+            options.rendezvous_timeout, conf_timeout, CLUSTER_RENDEZVOUS
+        ),
         notices=(*plan.notices, notice),
     )
 

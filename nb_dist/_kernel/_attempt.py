@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from typing import Any
 
 from .._shared import _collectives
 from .._shared._protocol import COLLECTIVES_ENV
+from .._shared._starting import scratch_folder
 from . import _ports
 from ._plan import LaunchPlan
-
-#: How long ranks may take to reach the rendezvous store (the store's client timeout).
-STORE_TIMEOUT = 300.0
 
 
 class AttemptSetup:
@@ -30,9 +27,7 @@ class AttemptSetup:
         self.folder: str | None = scratch_folder(folder_prefix)
         try:
             if plan.node_rank == 0:
-                self.store = _ports.open_store(
-                    plan.master_addr, plan.port, plan.world_size, STORE_TIMEOUT
-                )
+                self.store = _ports.open_store(plan.master_addr, plan.port, plan.world_size)
             self.port: int = self.store.port if self.store is not None else plan.port or 0
             self.envs = [
                 rank_env(plan, local, self.port, number, self.folder)
@@ -56,14 +51,6 @@ class AttemptSetup:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def scratch_folder(prefix: str) -> str:
-    """A private folder for an attempt's per-rank files: in memory (/dev/shm) where possible,
-    since the collective counters are written at every collective."""
-    shm = "/dev/shm"
-    where = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
-    return tempfile.mkdtemp(prefix=prefix, dir=where)
 
 
 def rank_env(plan: LaunchPlan, local: int, port: int, attempt: int, folder: str) -> dict[str, str]:

@@ -1,9 +1,8 @@
 """``notebook_launcher``: run a function on N processes under torch.distributed from a cell.
 
-The function is the public signature and its documentation. What it does: check everything
-and decide (``_plan.check_arguments``, ``_plan.decide``), then attempts, each with the
-kernel's rendezvous store and a :class:`~nb_dist._supervisor.Supervisor`, with restarts,
-then the result.
+The function is the public signature and its documentation. What it does: check every
+argument (``_plan.check_arguments``), let the transport (``_transport.py``: this machine, or
+``cluster=``'s) decide the plan and run the attempts, restarts included, then the result.
 """
 
 from __future__ import annotations
@@ -12,17 +11,16 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from . import _leftovers, _openmp, _ports, _prompts, _warm
-from ._attempt import AttemptSetup
-from ._backend import ClusterBackend
+from . import _leftovers, _prompts, _warm
 from ._errors import LaunchInterrupted, LaunchTimeoutError, WorkerFailedError
 from ._observer import Observer, open_live_view
 from ._options import LaunchOptions
 from ._output import OutputRouter
-from ._plan import LaunchPlan, check_arguments, decide
+from ._plan import LaunchPlan, check_arguments
 from ._result import LaunchResult
-from ._supervisor import AttemptResult, Supervisor
+from ._supervisor import AttemptResult
 from ._tracebacks import ipython_shell
+from ._transport import Transport, transport_for
 
 
 def notebook_launcher(
@@ -54,7 +52,7 @@ def notebook_launcher(
     warm_imports: bool = True,
     rich_output: str | int | Sequence[int] = "rank0",
     debug: str | None = None,
-    cluster: ClusterBackend | None = None,
+    cluster: Transport | None = None,
 ) -> LaunchResult:
     """Run ``function(*args)`` on ``num_processes`` workers and return every rank's value.
 
@@ -162,17 +160,18 @@ def notebook_launcher(
         timeout=timeout, output=output, init_process_group=init_process_group, device=device,
         threads_per_process=threads_per_process, hang_notice_after=hang_notice_after,
         monitor=monitor, rendezvous_timeout=rendezvous_timeout, warm_imports=warm_imports,
-        rich_output=rich_output, debug=debug, cluster=cluster,
+        rich_output=rich_output, debug=debug,
     )  # fmt: skip
-    plan = decide(check_arguments(function, args, options), options)
+    plan = check_arguments(function, args, options)
+    transport = transport_for(cluster)  # where the ranks run: this machine or a cluster's
+    plan = transport.decide(plan, options)
     live_view = open_live_view(list(plan.ranks)) if plan.monitor else None
     try:
-        outcome, logs, port, restarts = _run_attempts(plan, live_view)
+        outcome, logs, port, restarts = _run_attempts(transport, plan, live_view)
     except KeyboardInterrupt:
         if live_view is not None:
             live_view.close(interrupted=True)
-        if plan.cluster is not None:
-            plan.cluster.interrupted()
+        transport.interrupted()
         # A fresh exception without the context: the cell shows the user's call, not the
         # supervisor's select loop the interrupt happened to land in.
         raise _interrupted(plan.nprocs) from None
@@ -193,7 +192,7 @@ def notebook_launcher(
 
 
 def _run_attempts(
-    plan: LaunchPlan, live_view: Observer | None
+    transport: Transport, plan: LaunchPlan, live_view: Observer | None
 ) -> tuple[AttemptResult, list[str], int, int]:
     """Attempts until one succeeds or the restarts run out: (result, logs, port, restarts)."""
     __tracebackhide__ = True
@@ -204,7 +203,7 @@ def _run_attempts(
         for text in plan.notices if attempt == 0 else ():
             router.notice(text)
         try:
-            outcome, port = _run_attempt(plan, attempt, router, live_view)
+            outcome, port = transport.run_attempt(plan, attempt, router, live_view)
         except (WorkerFailedError, LaunchTimeoutError) as failure:
             if live_view is not None:
                 live_view.close(failure.outcomes)
@@ -218,28 +217,6 @@ def _run_attempts(
             )
             continue
         return outcome, [router.log_text(i) for i in range(plan.nprocs)], port, attempt
-
-
-def _run_attempt(
-    plan: LaunchPlan, attempt: int, router: OutputRouter, live_view: Observer | None
-) -> tuple[AttemptResult, int]:
-    """One attempt: the kernel's store, the workers' environments, the supervisor."""
-    __tracebackhide__ = True
-    if plan.cluster is not None:
-        return plan.cluster.run_attempt(plan, attempt, router, live_view)
-    if plan.start_method == "fork" and attempt:
-        _openmp.release_pool()  # a restart forks again, and the kernel may have a pool again
-    with AttemptSetup(plan, attempt, "nb_dist_errors_") as opened:
-        supervisor = Supervisor(plan, opened.envs, router, live_view)
-        try:
-            return supervisor.run(), opened.port
-        finally:
-            router.finish()
-            if plan.warm_imports:
-                _warm.schedule(supervisor.imports)
-            _ports.started_worker_pids.update(
-                w.outcome.pid for w in supervisor.workers if w.outcome.pid
-            )
 
 
 def _interrupted(nprocs: int) -> KeyboardInterrupt:

@@ -10,17 +10,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from ._backend import ClusterBackend
+from typing import Any
 
 
 @dataclass(frozen=True, kw_only=True)
 class LaunchOptions:
     """The options of ``notebook_launcher`` after ``function`` and ``args``, unchecked.
 
-    Defaults are the launcher's; ``tests/test_api.py`` keeps them equal to its signature.
+    Defaults are the launcher's; ``tests/test_shared_rules.py`` keeps them equal to its
+    signature. ``cluster=`` is not one of them: it says where the ranks run, the launch's
+    ``_transport.Transport``, which decides the plan from these options.
     """
 
     num_processes: int | None = None
@@ -48,4 +47,3 @@ class LaunchOptions:
     warm_imports: bool = True
     rich_output: str | int | Sequence[int] = "rank0"
     debug: str | None = None
-    cluster: ClusterBackend | None = None

@@ -28,7 +28,7 @@ import socket
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .._rank._spec import WorkerSpec
 from .._shared import _shipping
@@ -39,9 +39,6 @@ from ._errors import UnsafeLaunchError
 from ._options import LaunchOptions
 from ._output import DEFAULT_PREFIX, OUTPUT_MODES, RICH_OUTPUT_MODES
 from ._tracebacks import cell_label
-
-if TYPE_CHECKING:
-    from ._backend import ClusterBackend
 
 # How long the first rank to reach init_process_group waits for the others before the launch
 # is stopped with a report (torch itself would wait for minutes).
@@ -83,8 +80,6 @@ class LaunchPlan:
     payload: bytes | None = None  # spawn/forkserver: the function and args, by value
     linecache_entries: dict[str, Any] = field(default_factory=dict)
     notices: tuple[str, ...] = ()
-    #: Ranks on a cluster's machines (``nb_dist.RayCluster``); ``None``: on this one.
-    cluster: ClusterBackend | None = None
 
     @property
     def nprocs(self) -> int:
@@ -178,12 +173,10 @@ class LaunchPlan:
 
 
 def decide(plan: LaunchPlan, options: LaunchOptions) -> LaunchPlan:
-    """Steps 3 to 7 on the checked arguments (:func:`check_arguments`): the final plan.
-
-    A launch on a cluster is decided by the cluster (``_backend.py``): its nodes, not this
-    machine's devices and threads."""
-    if plan.cluster is not None:
-        return plan.cluster.decide(plan, options)
+    """Steps 3 to 7 on the checked arguments (:func:`check_arguments`): the final plan of
+    ranks on this machine (``_local.LocalTransport.decide``; a cluster decides its own with
+    the same rules for threads and the rendezvous: :func:`threads_for`,
+    :func:`rendezvous_limit`)."""
     num_processes, threads_per_process = options.num_processes, options.threads_per_process
     _check_multi_node(plan.num_nodes, plan.port, plan.max_restarts)  # 3. Combinations.
     _preflight.check_process_group()  # 4. The kernel's state.
@@ -192,7 +185,7 @@ def decide(plan: LaunchPlan, options: LaunchOptions) -> LaunchPlan:
     method = plan.start_method  # 5. Devices, above.
     if method == "fork" and "fork" not in multiprocessing.get_all_start_methods():
         method = "spawn"  # e.g. Windows: no fork; spawn ships the function with cloudpickle
-    threads, notices = _threads(threads_per_process, nprocs), list(plan.notices)
+    threads, notices = threads_for(threads_per_process, _cores() // nprocs), list(plan.notices)
     notices += [device_notice] if device_notice else []
     if method == "fork":  # 6. Threads fork can give.
         threads, notice = _fork_safe_threads(threads, explicit=threads_per_process is not None)
@@ -230,7 +223,7 @@ def check_arguments(
     node = _preflight.check_node_rank(o.node_rank, nodes)
     addr, port = _rendezvous_address(o.rdzv_endpoint, o.master_addr, o.use_port)
     _check_rdzv_backend(o.rdzv_backend, nodes)
-    conf_timeout, notices = _read_rdzv_conf(o.rdzv_conf)
+    conf_timeout, notices = read_rdzv_conf(o.rdzv_conf)
     restarts = _non_negative_int("max_restarts", o.max_restarts)
     poll = _preflight.check_seconds("monitor_interval", o.monitor_interval, default=0.1)
     method = _preflight.check_choice("start_method", o.start_method, _preflight.START_METHODS)
@@ -242,11 +235,8 @@ def check_arguments(
         _preflight.check_positive_int("threads_per_process", o.threads_per_process, _THREADS_HINT)
     hang_after = _preflight.check_seconds("hang_notice_after", o.hang_notice_after)
     _check_bool("monitor", o.monitor)
-    rendezvous_timeout = o.rendezvous_timeout
-    if rendezvous_timeout == "auto":
-        auto = RENDEZVOUS_TIMEOUT if nodes == 1 else _MULTI_NODE_RENDEZVOUS
-        rendezvous_timeout = conf_timeout if conf_timeout is not None else auto
-    rdzv_limit = _preflight.check_seconds("rendezvous_timeout", rendezvous_timeout)
+    auto = RENDEZVOUS_TIMEOUT if nodes == 1 else _MULTI_NODE_RENDEZVOUS
+    rdzv_limit = rendezvous_limit(o.rendezvous_timeout, conf_timeout, auto)
     _check_bool("warm_imports", o.warm_imports)
     rich = _rich_output(o.rich_output)
     debug = o.debug
@@ -261,7 +251,6 @@ def check_arguments(
         prefix=o.log_line_prefix_template or DEFAULT_PREFIX, timeout=limit,
         rendezvous_timeout=rdzv_limit, hang_notice_after=hang_after, poll_interval=poll or 0.1,
         warm_imports=o.warm_imports, monitor=o.monitor, notices=tuple(notices), debug=debug,
-        cluster=o.cluster,
     )  # fmt: skip
 
 
@@ -371,7 +360,18 @@ def _check_rdzv_backend(backend: object, num_nodes: int) -> None:
 _RDZV_TIMEOUT_KEYS = ("join_timeout", "timeout")
 
 
-def _read_rdzv_conf(conf: object) -> tuple[float | None, list[str]]:
+def rendezvous_limit(
+    rendezvous_timeout: float | str | None, conf_timeout: float | None, auto: float
+) -> float | None:
+    """``rendezvous_timeout`` checked, for every transport: ``"auto"`` is ``rdzv_conf``'s
+    timeout where it gives one, else the transport's ``auto`` (a cluster's nodes start their
+    first fork server at different speeds)."""
+    if rendezvous_timeout == "auto":
+        rendezvous_timeout = conf_timeout if conf_timeout is not None else auto
+    return _preflight.check_seconds("rendezvous_timeout", rendezvous_timeout)
+
+
+def read_rdzv_conf(conf: object) -> tuple[float | None, list[str]]:
     """The rendezvous timeout an Accelerate-style ``rdzv_conf`` asks for, and notices."""
     if conf is None or conf == {}:
         return None, []
@@ -442,20 +442,24 @@ def _non_negative_int(name: str, value: object) -> int:
     return value
 
 
-def _threads(threads_per_process: int | None, nprocs: int) -> int | None:
-    """Intra-op threads per worker so that N workers do not oversubscribe the cores."""
+def threads_for(threads_per_process: int | None, cores_per_rank: int) -> int | None:
+    """Intra-op threads per rank, for every transport: the caller's ``threads_per_process``,
+    else ``OMP_NUM_THREADS`` (applied in the rank too: a forked rank keeps the kernel's torch
+    thread pool, which ignores a variable set after torch was imported; ``None`` where it is
+    not a whole number, for the rank to read itself), else the cores each rank has."""
     if threads_per_process is not None:
         return threads_per_process
     user_value = os.environ.get("OMP_NUM_THREADS", "").strip()
     if user_value:
-        # The user decided. Apply it in the worker too: a forked worker keeps the kernel's
-        # torch thread pool, which ignores a variable set after torch was imported.
         return int(user_value) if user_value.isdigit() and int(user_value) > 0 else None
+    return max(1, cores_per_rank)
+
+
+def _cores() -> int:
     try:
-        cores = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except AttributeError:  # pragma: no cover - not Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores // nprocs)
+        return os.cpu_count() or 1
 
 
 def _fork_safe_threads(threads: int | None, explicit: bool) -> tuple[int | None, str | None]:

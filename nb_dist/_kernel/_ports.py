@@ -10,9 +10,9 @@ another program could take it, unlike "find a free port, close it, hope".
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 from typing import Any
 
+from .._shared import _starting
 from ._errors import UnsafeLaunchError
 
 # Ports of launches from this kernel that are running now (a second launch from a thread).
@@ -21,19 +21,11 @@ _ports_in_use_here: set[int] = set()
 started_worker_pids: set[int] = set()
 
 
-def open_store(master_addr: str, port: int | None, world_size: int, timeout: float) -> Any:
-    """Start the launch's TCPStore server in the kernel on ``port`` (``None``: a free port)."""
-    from torch.distributed import TCPStore
-
+def open_store(master_addr: str, port: int | None, world_size: int) -> Any:
+    """Start the launch's TCPStore server in the kernel on ``port`` (``None``: a free port);
+    a taken port or an address not of this machine refused in words."""
     try:
-        store = TCPStore(
-            host_name=master_addr,
-            port=port or 0,
-            world_size=world_size,
-            is_master=True,
-            timeout=timedelta(seconds=timeout),
-            wait_for_workers=False,
-        )
+        store = _starting.host_store(master_addr, port, world_size)
     except (RuntimeError, OSError) as exc:
         if port is not None and _is_address_in_use(exc):
             raise port_in_use_error(port) from None

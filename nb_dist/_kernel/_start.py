@@ -1,14 +1,10 @@
 """Starting the ranks of one attempt: their pipes, the start gate and the lifeline.
 
 Each rank gets five pipes (four to the kernel, ``commands`` from it; see ``_protocol.py``) and
-two shared ones:
-
-- the **lifeline**: the kernel keeps the only write end; when the kernel dies, every worker
-  reads EOF and kills itself (besides the parent-death signal);
-- the **start gate**: workers wait for EOF on it before any user code runs. The kernel
-  closes its write end once every rank is started, so no rank connects to the rendezvous
-  store while another is still being forked (a fork would copy a lock the store's server
-  thread holds, see ``_rank/_entry._wait_for_gate``).
+two shared ones, the **lifeline** (the kernel keeps its only write end; when the kernel dies,
+every worker reads EOF and kills itself, besides the parent-death signal) and the **start
+gate** (no rank runs user code before all are started; ``_rank/_entry._wait_for_gate``),
+both from ``_shared/_starting.py``, which a cluster node's agent uses too.
 
 A forked worker closes every kernel-side end it inherited (other ranks' read ends, the
 lifeline's and the gate's write ends), or EOF would never come.
@@ -16,13 +12,13 @@ lifeline's and the gate's write ends), or EOF would never come.
 
 from __future__ import annotations
 
-import multiprocessing
 import time
 import weakref
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 from .._rank._spec import WorkerChannels, WorkerSpec
+from .._shared._starting import gated_start
 from . import _processes
 from ._rank_handle import Rank
 
@@ -43,16 +39,22 @@ def start_all(method: str, ranks: list[Rank], spec_for: SpecFor) -> Connection:
     """Start every rank, then open the gate; the lifeline's write end, for the kernel to keep.
 
     If a rank cannot start (or an interrupt arrives), the ranks already started are killed
-    while they still wait at the gate, so none runs the function.
+    while they still wait at the gate, so none runs the function (``_starting.gated_start``).
     """
-    lifeline_reader, lifeline_writer = multiprocessing.Pipe(duplex=False)
-    gate_reader, gate_writer = multiprocessing.Pipe(duplex=False)
     context = _processes.forkserver_context() if method == "forkserver" else None
-    kernel_ends = [lifeline_writer.fileno(), gate_writer.fileno(), *_other_kernel_ends()]
-    try:
+
+    def kill_started() -> None:
+        for rank in ranks:
+            if rank.alive and rank.process is not None:
+                rank.request_stop()
+                rank.returncode = rank.process.kill_and_reap()
+                rank.exited_at = time.monotonic()
+
+    with gated_start(kill_started) as gate:
+        kernel_ends = [*gate.starter_fds(), *_other_kernel_ends()]
         for rank in ranks:
             writers = rank.open_pipes()
-            channels = WorkerChannels(**writers, lifeline=lifeline_reader, gate=gate_reader)
+            channels = WorkerChannels(**writers, lifeline=gate.lifeline_end, gate=gate.gate_end)
             kernel_fds = [c.fileno() for r in ranks for c in r.kernel_ends()] + kernel_ends
             try:
                 process = _processes.start(
@@ -63,16 +65,5 @@ def start_all(method: str, ranks: list[Rank], spec_for: SpecFor) -> Connection:
                     writer.close()
             rank.process = process
             rank.outcome.pid = process.pid
-    except BaseException:
-        for rank in ranks:
-            if rank.alive and rank.process is not None:
-                rank.request_stop()
-                rank.returncode = rank.process.kill_and_reap()
-                rank.exited_at = time.monotonic()
-        lifeline_writer.close()
-        raise
-    finally:
-        for conn in (lifeline_reader, gate_writer, gate_reader):
-            conn.close()  # the gate opens: EOF for every worker
-    _kernel_ends.update([lifeline_writer, *(c for rank in ranks for c in rank.kernel_ends())])
-    return lifeline_writer
+    _kernel_ends.update([gate.lifeline, *(c for rank in ranks for c in rank.kernel_ends())])
+    return gate.lifeline

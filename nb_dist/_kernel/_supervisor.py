@@ -6,11 +6,15 @@ an interrupt arrives there as ``KeyboardInterrupt`` and tears the workers down; 
 worker is reaped and every pipe drained before control returns to the cell.
 
 Where the ranks run is the supervisor's one injected part, its :class:`RankHost`: this
-machine (:class:`LocalHost`) or a cluster's node agents (``_cluster/_remote_run.ClusterHost``);
-the loop, the output, the diagnosis and the results are the same for both. How a worker is
-started and reaped is in ``_processes.py``, what it says on its control pipe in
-``_protocol.py``, and what a stuck or failed launch means in ``_diagnosis.py``. A rank's
-status changes in one place, :meth:`Supervisor._set_status`.
+machine (``_local.LocalHost``) or a cluster's node agents (``_cluster/_remote_run.ClusterHost``);
+the loop, the output, the diagnosis and the results are the same for both. How a run treats
+a failure is the other: its :class:`~_pump.Policy` (``policy=``, a launch's by default).
+
+A launch calls :meth:`Supervisor.run`. Live ranks (``_live/_session.py``) hold a supervisor
+and drive its loop task by task through a small public surface (see :class:`Supervisor`);
+the rest stays private. How a worker is started and reaped is in ``_processes.py``, what it
+says on its control pipe in ``_protocol.py``, and what a stuck or failed launch means in
+``_diagnosis.py``. A rank's status changes in one place, :meth:`Supervisor.set_status`.
 """
 
 from __future__ import annotations
@@ -22,11 +26,11 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, Protocol, TypeVar
 
-from .._rank._spec import WorkerSpec
 from .._shared import _protocol
 from .._shared._protocol import COLLECTIVES_ENV
 from .._shared._reporting import Reports
-from . import _diagnosis, _prompts, _start, _watchdogs
+from .._shared._starting import DRAIN_AFTER_EXIT
+from . import _diagnosis, _prompts, _watchdogs
 from ._errors import LaunchError as _LaunchError
 from ._errors import (
     LaunchTimeoutError,
@@ -38,13 +42,11 @@ from ._errors import (
 from ._observer import Observer
 from ._output import OutputRouter
 from ._plan import LaunchPlan
-from ._pump import Pump, Run, poll_exit
+from ._pump import LAUNCH, Policy, Pump, Run, poll_exit
 from ._rank_handle import FINAL, Rank
 
 # How long a stopped worker gets between SIGTERM and SIGKILL; keeps "stopped within 1 s".
 STOP_GRACE = 0.4
-# How long to keep reading a dead worker's pipes (a grandchild may hold them open).
-DRAIN_AFTER_EXIT = 1.0
 # A partial line (no newline yet) is shown after this long anyway.
 PARTIAL_LINE_AFTER = 1.0
 _Error = TypeVar("_Error", bound=_LaunchError)
@@ -78,26 +80,15 @@ class RankHost(Protocol):
         ...
 
 
-class LocalHost:
-    """Ranks on this machine, started by ``_start.py`` (fork, spawn or forkserver)."""
-
-    def start(self, supervisor: Supervisor) -> Connection | None:
-        plan = supervisor.config
-
-        def spec_for(index: int, kernel_fds: list[int]) -> WorkerSpec:
-            return plan.worker_spec(index, supervisor.worker_env[index], kernel_fds)
-
-        return _start.start_all(plan.start_method, supervisor.workers, spec_for)
-
-    def close(self) -> None:
-        pass  # the ranks are reaped and their pipes closed by the supervisor
-
-    def endpoints(self) -> list[tuple[str, int]] | None:
-        return None
-
-
 class Supervisor:
-    """Runs one attempt: ``run()`` returns per-rank values or raises a launch error."""
+    """Runs one attempt: ``run()`` returns per-rank values or raises a launch error.
+
+    The loop's public surface, for an owner that drives it run by run (a live session):
+    ``start_and_watch``, ``watch``, ``read``, ``read_until``, ``poll_processes``,
+    ``set_status``, ``stacks``, ``stuck_views``, ``counter_file``, ``stop_all``, ``result``,
+    ``logs``, ``with_reports`` and ``close``; its state: ``config``, ``host``, ``workers``,
+    ``held`` and ``current`` (the run now going on, which such an owner replaces per task).
+    """
 
     def __init__(
         self,
@@ -105,32 +96,36 @@ class Supervisor:
         worker_env: list[dict[str, str]],
         router: OutputRouter,
         observer: Observer | None,
-        host: RankHost | None = None,
+        host: RankHost,
+        *,
+        policy: Policy = LAUNCH,
     ) -> None:
         self.config = plan
         self.worker_env = worker_env
         #: Where the ranks run (this machine unless a cluster's host is given).
-        self.host: RankHost = host if host is not None else LocalHost()
+        self.host = host
         self.workers = [
             Rank(i, r, int(env["LOCAL_RANK"]) if "LOCAL_RANK" in env else None)
             for i, (r, env) in enumerate(zip(plan.ranks, worker_env, strict=True))
         ]
-        #: The run now going on: its ranks, output, reports and watchdog marks (``_pump.py``).
-        self.current = Run(self.workers, router, observer)
+        #: The run now going on: its ranks, output, reports and watchdog marks (``_pump.py``),
+        #: under ``policy``. A launch has one; a live session (``_live/_session.py``), which
+        #: holds this loop, gives it a fresh run for each task.
+        self.current = Run(self.workers, router, observer, policy=policy)
         self._pump = Pump()
         self._lifeline: Connection | None = None  # its EOF tells the workers the kernel died
         #: The failed rank kept for a post-mortem (``debug="postmortem"``), if any.
         self.held: Rank | None = None
         self._post_mortem_given = False  # the held rank went to the error's PostMortem
 
-    def _start_and_watch(self) -> None:
+    def start_and_watch(self) -> None:
         """Start every rank and read them until the run ends (raising the timeout's error if
         ``timeout`` passes first)."""
         __tracebackhide__ = True
         self._start_all()
         timeout = self.config.timeout
         deadline = None if timeout is None else time.monotonic() + timeout
-        if self._watch(deadline):
+        if self.watch(deadline):
             raise self._timeout_error()
 
     @property
@@ -142,25 +137,25 @@ class Supervisor:
     def run(self) -> AttemptResult:
         __tracebackhide__ = True
         try:
-            self._start_and_watch()
+            self.start_and_watch()
             self._drain_and_reap()
-            return self._result()
+            return self.result()
         except BaseException:
             # Failure, timeout or interrupt: stop everything before the exception reaches the
             # cell, so the next launch starts from a clean kernel. A rank kept for a
             # post-mortem stays only if its error carries it (else nobody could release it).
             if not self._post_mortem_given:
                 self.held = None
-            self._stop_all()
+            self.stop_all()
             self._drain_and_reap()
             raise
         finally:
             for worker in self.current.workers:  # last line of defence (a second interrupt)
                 if worker.alive and worker.process is not None and worker is not self.held:
                     worker.returncode = worker.process.kill_and_reap()
-            self._close()
+            self.close()
 
-    def _set_status(self, worker: Rank, status: RankStatus) -> None:
+    def set_status(self, worker: Rank, status: RankStatus) -> None:
         """The one place a rank's status changes; the live view hears of every change."""
         was_final = worker.finished
         worker.outcome.status = status
@@ -183,7 +178,7 @@ class Supervisor:
                 self._pump.add(worker)
 
     # ----------------------------------------------------------------- watch
-    def _watch(self, deadline: float | None) -> bool:
+    def watch(self, deadline: float | None) -> bool:
         """Pump events until every worker has ended. Returns True if the deadline passed."""
         run = self.current
         while not all(w.finished for w in run.workers):
@@ -196,9 +191,9 @@ class Supervisor:
             wait = _watchdogs.next_wait(
                 self.config.poll_interval, exiting, deadline, run.paused_for, now
             )
-            self._read(wait)
+            self.read(wait)
             self._answer_debuggers()
-            self._poll_processes()
+            self.poll_processes()
             self._flush_stale_partials()
             self._check_failures()
             self._check_rendezvous()
@@ -209,12 +204,12 @@ class Supervisor:
                 self.current.observer.tick()
         return False
 
-    def _read(self, wait: float) -> None:
+    def read(self, wait: float) -> None:
         """Read the ranks' pipes for up to ``wait`` s (``_pump.Pump``)."""
         router = self.current.router
         self._pump(wait, router, self._handle, router.notice)
 
-    def _read_until(
+    def read_until(
         self, done: Callable[[], bool], seconds: float, each: Callable[[], None] | None = None
     ) -> bool:
         """Read and notice ended ranks until ``done()`` or ``seconds`` pass; whether done.
@@ -223,8 +218,8 @@ class Supervisor:
         while not done():
             if time.monotonic() >= deadline:
                 return False
-            self._read(0.02)
-            self._poll_processes()
+            self.read(0.02)
+            self.poll_processes()
             if each is not None:
                 each()
         return True
@@ -238,7 +233,7 @@ class Supervisor:
             self.current.imports,
         )
         if status is not None:
-            self._set_status(worker, status)
+            self.set_status(worker, status)
         if isinstance(message, _protocol.Rendezvous) and all(
             w.rendezvous.done for w in self.current.workers
         ):
@@ -267,15 +262,16 @@ class Supervisor:
 
     def _read_and_poll(self, wait: float) -> None:
         """Read the pipes, then notice ranks that ended (a debugger waits on both)."""
-        self._read(wait)
-        self._poll_processes()
+        self.read(wait)
+        self.poll_processes()
 
-    def _poll_processes(self) -> None:
+    def poll_processes(self) -> None:
+        """Notice the current run's ranks that ended (a rank never started is ``stopped``)."""
         now = time.monotonic()
         for worker in self.current.workers:
             if worker.process is None:  # never started (the start of an earlier rank failed)
                 if not worker.finished:
-                    self._set_status(worker, "stopped")
+                    self.set_status(worker, "stopped")
                 continue
             poll_exit(worker, now)
             if not worker.finished and not worker.alive:
@@ -285,7 +281,7 @@ class Supervisor:
 
     def _finalize(self, worker: Rank) -> None:
         """Decide a finished worker's outcome (its control pipe is drained by now)."""
-        self._set_status(worker, worker.settle())
+        self.set_status(worker, worker.settle())
 
     def _flush_stale_partials(self) -> None:
         now = time.monotonic()
@@ -310,7 +306,7 @@ class Supervisor:
             ):
                 self.current.failure_seen = True
                 self._hold_for_post_mortem(worker)
-                self._stop_all()
+                self.stop_all()
                 return
 
     def _hold_for_post_mortem(self, worker: Rank) -> None:
@@ -318,7 +314,7 @@ class Supervisor:
         if self.config.debug != "postmortem" or worker.failure is None or not worker.alive:
             return
         self.held = worker
-        self._set_status(worker, worker.settle())
+        self.set_status(worker, worker.settle())
 
     def _check_stragglers(self) -> None:
         limit = self.config.hang_notice_after
@@ -336,7 +332,7 @@ class Supervisor:
                 ago = time.monotonic() - returned
                 self.current.router.notice(_diagnosis.teardown_notice(worker.outcome.rank, ago))
                 continue
-            frames = self._stacks([worker]).get(worker.index, [])
+            frames = self.stacks([worker]).get(worker.index, [])
             notice = _diagnosis.straggler_notice(
                 worker.outcome.rank, waited, finished, frames, self.current.policy.limit_hint
             )
@@ -357,14 +353,14 @@ class Supervisor:
             raise self._rendezvous_error(limit)
 
     # ----------------------------------------------------------------- stacks
-    def _stacks(self, workers: list[Rank]) -> dict[int, list[_diagnosis.Frame]]:
+    def stacks(self, workers: list[Rank]) -> dict[int, list[_diagnosis.Frame]]:
         """Ask live workers for their Python stacks (SIGUSR1 → faulthandler) and parse them."""
         asked = [worker for worker in workers if worker.ask_for_stack()]
         deadline = time.monotonic() + 0.5
         quiet_since: float | None = None
         while asked and time.monotonic() < deadline:
             before = sum(len(w.stack) for w in asked)
-            self._read(0.02)
+            self.read(0.02)
             if all(w.stack for w in asked) and sum(len(w.stack) for w in asked) == before:
                 quiet_since = quiet_since or time.monotonic()
                 if time.monotonic() - quiet_since > 0.05:
@@ -374,21 +370,21 @@ class Supervisor:
         return {worker.index: worker.read_stack() for worker in asked}
 
     # ----------------------------------------------------------------- stop
-    def _stop_all(self) -> None:
+    def stop_all(self) -> None:
         """SIGTERM every live worker's process group, then SIGKILL what is left after a grace."""
         live = [w for w in self.current.workers if w.alive and w is not self.held]
         for worker in live:
             worker.request_stop()
             assert worker.process is not None
             worker.process.send_signal(signal.SIGTERM)
-        self._read_until(lambda: not any(w.alive for w in live), STOP_GRACE)
+        self.read_until(lambda: not any(w.alive for w in live), STOP_GRACE)
         for worker in live:
             if worker.alive and worker.process is not None:
                 worker.process.send_signal(signal.SIGKILL)
 
     def _drain_and_reap(self) -> None:
         workers = self.current.workers
-        if not self._read_until(
+        if not self.read_until(
             lambda: all(w.finished for w in workers), DRAIN_AFTER_EXIT + STOP_GRACE
         ):
             for worker in workers:
@@ -402,7 +398,9 @@ class Supervisor:
             for kind, splitter in worker.splitters.items():
                 self.current.router.lines(worker.index, kind, splitter.flush())
 
-    def _close(self) -> None:
+    def close(self) -> None:
+        """Stop reading and close the kernel's pipe ends (a held rank's stay open), then the
+        lifeline and the host, unless a held rank's post-mortem ends them later."""
         for worker in self.workers:
             for conn in worker.pipes.values():
                 self._pump.remove(conn)
@@ -418,7 +416,9 @@ class Supervisor:
         self.host.close()
 
     # ----------------------------------------------------------------- results
-    def _result(self) -> AttemptResult:
+    def result(self) -> AttemptResult:
+        """The current run's values, or raise its root cause (a post-mortem attached if a
+        failed rank is held at its prompt)."""
         outcomes = [w.outcome for w in self.current.workers]
         if all(o.status == "ok" for o in outcomes):
             return AttemptResult(
@@ -430,8 +430,8 @@ class Supervisor:
         root, collateral = _diagnosis.root_cause(outcomes)
         for worker in self.current.workers:
             if worker.outcome in collateral:
-                self._set_status(worker, "collateral")
-        logs = self._logs()
+                self.set_status(worker, "collateral")
+        logs = self.logs()
         # The root's log by its place among this kernel's ranks (its LOCAL_RANK is its place
         # on its node: on a cluster every node has a LOCAL_RANK 0).
         root_log = logs[next(i for i, o in enumerate(outcomes) if o is root)]
@@ -452,7 +452,7 @@ class Supervisor:
             _prompts.hook_debug_magic()
         return self._raise(error)
 
-    def _stuck_views(
+    def stuck_views(
         self, live: list[Rank], frames: dict[int, list[_diagnosis.Frame]]
     ) -> list[_diagnosis.StuckRank]:
         """Every rank for a timeout report: where the live ones were, their collectives."""
@@ -466,7 +466,7 @@ class Supervisor:
         never gets there (it failed before its function ran, so has no frames) is let go."""
         held = self.held
         if held is not None:
-            self._read_until(
+            self.read_until(
                 lambda: (
                     not held.alive or held.prompt is not None or held.control_closed_at is not None
                 ),
@@ -480,18 +480,18 @@ class Supervisor:
     def _stop_with_stacks(self) -> tuple[list[Rank], dict[int, list[_diagnosis.Frame]]]:
         """Take the stacks of the live ranks, then stop everything: (who was live, stacks)."""
         live = [w for w in self.current.workers if w.alive]
-        frames = self._stacks(live)
-        self._stop_all()
+        frames = self.stacks(live)
+        self.stop_all()
         self._drain_and_reap()
         return live, frames
 
     def _timeout_error(self) -> LaunchTimeoutError:
         live, frames = self._stop_with_stacks()
-        views = self._stuck_views(live, frames)
+        views = self.stuck_views(live, frames)
         timeout = self.config.timeout or 0.0
         text, stacks = _diagnosis.timeout_report(timeout, views)
         outcomes = [w.outcome for w in self.current.workers]
-        return self._with_reports(LaunchTimeoutError(text, timeout, stacks, outcomes, self._logs()))
+        return self.with_reports(LaunchTimeoutError(text, timeout, stacks, outcomes, self.logs()))
 
     def _rendezvous_error(self, limit: float) -> RendezvousTimeoutError:
         live, frames = self._stop_with_stacks()
@@ -501,20 +501,22 @@ class Supervisor:
         ]
         text, stacks = _diagnosis.rendezvous_report(limit, len(self.current.workers), views)
         outcomes = [w.outcome for w in self.current.workers]
-        error = RendezvousTimeoutError(text, limit, stacks, outcomes, self._logs())
-        return self._with_reports(error)
+        error = RendezvousTimeoutError(text, limit, stacks, outcomes, self.logs())
+        return self.with_reports(error)
 
     def counter_file(self, worker: Rank) -> str | None:
         """The rank's collective counter file (``_collectives.py``), if it has one."""
         return self.worker_env[worker.index].get(COLLECTIVES_ENV)
 
-    def _logs(self) -> list[str]:
+    def logs(self) -> list[str]:
+        """The current run's log text, one per rank, for an error."""
         return [self.current.router.log_text(w.index) for w in self.current.workers]
 
-    def _with_reports(self, error: _Error) -> _Error:
+    def with_reports(self, error: _Error) -> _Error:
+        """``error`` carrying the current run's reports."""
         error.reports = self.current.reports
         return error
 
     def _raise(self, error: WorkerFailedError) -> AttemptResult:
         __tracebackhide__ = True
-        raise self._with_reports(error)
+        raise self.with_reports(error)

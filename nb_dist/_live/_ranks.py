@@ -21,16 +21,14 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._kernel import _leftovers, _ports, _prompts, _warm
-from .._kernel._attempt import AttemptSetup
-from .._kernel._backend import ClusterBackend
+from .._kernel import _leftovers, _prompts, _warm
 from .._kernel._errors import LaunchError
 from .._kernel._observer import open_live_view
 from .._kernel._options import LaunchOptions
 from .._kernel._output import OutputRouter
-from .._kernel._plan import LaunchPlan, check_arguments, decide
+from .._kernel._plan import LaunchPlan, check_arguments
 from .._kernel._result import LaunchResult
-from .._kernel._supervisor import RankHost
+from .._kernel._transport import Transport, transport_for
 from .._shared import _protocol, _shipping
 from .._shared._protocol import RESERVED
 from . import _export
@@ -105,7 +103,7 @@ class Ranks:
         rendezvous_timeout: float | str | None = "auto",
         log_line_prefix_template: str | None = None,
         debug: str | None = None,
-        cluster: ClusterBackend | None = None,
+        cluster: Transport | None = None,
     ) -> None:
         __tracebackhide__ = True
         _warm.wait()  # the checks read the kernel's state (as notebook_launcher's do)
@@ -119,9 +117,10 @@ class Ranks:
             hang_notice_after=hang_notice_after,
             device=device, threads_per_process=threads_per_process, monitor=monitor,
             rendezvous_timeout=rendezvous_timeout, warm_imports=False, rich_output=rich_output,
-            debug=debug, cluster=cluster,
+            debug=debug,
         )  # fmt: skip
         checked = check_arguments(_idle, (), self._options)
+        self._transport = transport_for(cluster)  # this machine, or cluster='s nodes
         self._checked = dataclasses.replace(checked, session=True)
         # What runs (the ranks, the store): held apart from this object, so that a Ranks
         # dropped without close() is stopped at the next launch, not in a finalizer.
@@ -139,27 +138,23 @@ class Ranks:
     def _start(self) -> None:
         __tracebackhide__ = True
         _prompts.release_all()
-        plan = decide(self._checked, self._options)
+        plan = self._transport.decide(self._checked, self._options)
         self.plan: LaunchPlan = plan
+        router = self._router()
+        for text in plan.notices:
+            router.notice(text)
+        # Where the ranks run: their environments (the store opened) and the host that
+        # starts them and, when the session closes, frees what session_host opened.
+        envs, host = self._transport.session_host(plan, self.restarts)
         try:
-            router = self._router()
-            for text in plan.notices:
-                router.notice(text)
-            host: RankHost | None = None
-            if plan.cluster is not None:  # the ranks on the cluster's nodes, its store there
-                envs, host = plan.cluster.session_host(plan, self.restarts)
-            else:
-                self._held.setup = AttemptSetup(plan, self.restarts, "nb_dist_ranks_")
-                envs = self._held.setup.envs
             supervisor = SessionSupervisor(plan, envs, router, None, host)
-            supervisor.start()  # on failure it closes itself (its host too) and raises
-            if host is None:
-                _ports.started_worker_pids.update(self.pids_of(supervisor))
-            self._held.supervisor = supervisor
-            self._history.started(plan)
         except BaseException:
-            self._release_store()
+            host.close()
             raise
+        supervisor.start()  # on failure it closes itself (its host too) and raises
+        self._port = int(envs[0].get("MASTER_PORT", 0)) if envs else 0
+        self._held.supervisor = supervisor
+        self._history.started(plan)
 
     @staticmethod
     def pids_of(supervisor: SessionSupervisor) -> list[int]:
@@ -168,11 +163,6 @@ class Ranks:
     def _router(self) -> OutputRouter:
         plan = self.plan
         return OutputRouter(list(plan.ranks), plan.output, plan.prefix, rich=plan.rich_output)
-
-    def _release_store(self) -> None:
-        if self._held.setup is not None:
-            self._held.setup.close()
-            self._held.setup = None
 
     def restart(self) -> None:
         """Stop every rank and start fresh ones (the kernel's namespace as it is now)."""
@@ -412,7 +402,7 @@ class Ranks:
             logs=[router.log_text(i) for i in local],
             durations=outcome.durations,
             wall_time=time.monotonic() - began,
-            port=self._held.setup.port if self._held.setup is not None else 0,
+            port=self._port,
             start_method=self.plan.start_method,
         )
 
@@ -423,15 +413,11 @@ class _Held:
 
     def __init__(self) -> None:
         self.supervisor: SessionSupervisor | None = None
-        self.setup: AttemptSetup | None = None
 
     def stop(self) -> None:
         if self.supervisor is not None:
-            self.supervisor.close()
+            self.supervisor.close()  # and its host: the store, folder or agents it held
             self.supervisor = None
-        if self.setup is not None:
-            self.setup.close()
-            self.setup = None
 
 
 def _gone(reason: str) -> SessionError:

@@ -1,9 +1,11 @@
 """The kernel side of live ranks: the supervisor's ranks kept alive across tasks.
 
-A :class:`SessionSupervisor` is a launch's :class:`~_supervisor.Supervisor` whose workers
-serve tasks (``_serve.py``) instead of running one function and exiting. It reuses the
-supervisor's start, ``select`` loop, output routing, stacks, watchdogs and teardown; what
-it adds is the life of one task:
+A :class:`SessionSupervisor` holds a launch's :class:`~_supervisor.Supervisor`, its
+``loop``, whose workers serve tasks (``_serve.py``) instead of running one function and
+exiting. The loop starts the ranks and does the ``select`` loop, output routing, stacks,
+watchdogs and teardown, through its public surface; the session gives it a fresh
+:class:`~_pump.Run` for each task, with that task's :class:`~_pump.Policy` (the part that
+differs). What the session adds is the life of one task:
 
 - before a task: every rank alive and idle, and their collective counts in step (a notice
   if not: the next collective may pair different calls and hang);
@@ -75,11 +77,13 @@ class Lost:
     dead_rank: bool  # a rank died by itself (restart() by hand) vs. was stopped
 
 
-class SessionSupervisor(Supervisor):
+class SessionSupervisor:
     """Ranks that stay up between tasks; ``start()``, then ``task()`` many times, ``close()``.
 
-    Each task is a fresh :class:`~_pump.Run` over the ranks it runs on: nothing a task
-    collected or noticed is left for the next one.
+    It holds a :class:`~_supervisor.Supervisor`, its ``loop``, which starts, reads, watches
+    and stops the ranks; the session decides what a task is. Each task is a fresh
+    :class:`~_pump.Run` over the ranks it runs on, with the task's :class:`~_pump.Policy`:
+    nothing a task collected or noticed is left for the next one.
     """
 
     def __init__(
@@ -88,10 +92,11 @@ class SessionSupervisor(Supervisor):
         worker_env: list[dict[str, str]],
         router: OutputRouter,
         observer: Observer | None,
-        host: RankHost | None = None,
+        host: RankHost,
     ) -> None:
-        super().__init__(plan, worker_env, router, observer, host)
-        self.current = Run(self.workers, router, observer, policy=_BETWEEN)
+        #: The supervisor loop that starts, reads, watches and stops the ranks; between
+        #: tasks (and while they start) its run watches every rank under ``_BETWEEN``.
+        self.loop = Supervisor(plan, worker_env, router, observer, host, policy=_BETWEEN)
         self.task_count = 0
         #: Why the ranks were stopped, once they were (the session's state is gone).
         self.lost: Lost | None = None
@@ -101,16 +106,16 @@ class SessionSupervisor(Supervisor):
         #: How many times the default group was formed again (``_release``): its store prefix.
         self._generation = 0
         #: Reports accumulate over the session's tasks (``result.reports`` holds them all).
-        self._reports = self.current.reports
+        self._reports = self.loop.current.reports
 
     # ----------------------------------------------------------------- life
     def start(self) -> None:
         """Start every rank and wait until each has its process group (or raise)."""
         __tracebackhide__ = True
         try:
-            self._start_and_watch()
-            self._result()  # raises if a rank could not start
-            self.current.router.finish()
+            self.loop.start_and_watch()
+            self.loop.result()  # raises if a rank could not start
+            self.loop.current.router.finish()
         except BaseException:
             self.close()
             raise
@@ -123,13 +128,20 @@ class SessionSupervisor(Supervisor):
         for worker in self.workers:
             if worker.commands is not None and not worker.commands.closed:
                 worker.commands.close()  # EOF: the rank's loop ends
-        self.current = Run(self.workers, self.current.router, None, self._reports, _BETWEEN)
-        self._read_until(lambda: not any(w.alive for w in self.workers), CLOSE_GRACE)
+        self.loop.current = Run(
+            self.workers, self.loop.current.router, None, self._reports, _BETWEEN
+        )
+        self.loop.read_until(lambda: not any(w.alive for w in self.workers), CLOSE_GRACE)
         for worker in self.workers:
             if worker.alive and worker.process is not None:
                 worker.request_stop()
                 worker.returncode = worker.process.kill_and_reap()
-        self._close()
+        self.loop.close()
+
+    @property
+    def workers(self) -> list[Rank]:
+        """Every rank of the session (its loop's), in local order."""
+        return self.loop.workers
 
     @property
     def alive(self) -> bool:
@@ -138,7 +150,7 @@ class SessionSupervisor(Supervisor):
     # ----------------------------------------------------------------- one task
     def check_ready(self) -> str | None:
         """Before a task: ``None``, or a notice that the ranks' collective counts differ."""
-        self._poll_processes()
+        self.loop.poll_processes()
         dead = [w for w in self.workers if not w.alive]
         if dead:
             code = dead[0].returncode
@@ -185,32 +197,32 @@ class SessionSupervisor(Supervisor):
             closing_note=self._note,
             watch=self._check_skipped_collective,
         )
-        self.current = Run(
+        self.loop.current = Run(
             [self.workers[i] for i in local_ranks], router, observer, self._reports, policy
         )
         self.task_count += 1
         self._freed = ""
         try:
-            for worker in self.current.workers:
+            for worker in self.loop.current.workers:
                 worker.begin_task()
-                self._set_status(worker, "running")
+                self.loop.set_status(worker, "running")
                 worker.tasks_sent += 1
                 worker.send(command_for(worker))
             deadline = None if timeout is None else time.monotonic() + timeout
             try:
-                timed_out = self._watch(deadline)
+                timed_out = self.loop.watch(deadline)
             except KeyboardInterrupt:
                 raise self._interrupted_error() from None
             if timed_out:
                 raise self._task_timeout(timeout or 0.0)
-            self._read(0.0)  # output written just before the last Idle
-            for worker in self.current.workers:
+            self.loop.read(0.0)  # output written just before the last Idle
+            for worker in self.loop.current.workers:
                 for kind, splitter in worker.splitters.items():
                     router.lines(worker.index, kind, splitter.flush())
-            return self._result()
+            return self.loop.result()
         finally:
             # Between tasks the session watches every rank, and nobody observes it.
-            self.current = Run(self.workers, router, None, self._reports, _BETWEEN)
+            self.loop.current = Run(self.workers, router, None, self._reports, _BETWEEN)
             router.finish()
             if self.lost is not None:
                 self.close()
@@ -225,7 +237,7 @@ class SessionSupervisor(Supervisor):
     def _on_task_failure(self) -> None:
         """A task's policy: a dead rank ends the session; a failed one gets the others
         interrupted, and a rank no interrupt reaches ends the session."""
-        dead = [w for w in self.current.workers if not w.alive and not w.stop_requested]
+        dead = [w for w in self.loop.current.workers if not w.alive and not w.stop_requested]
         if dead and self.lost is None:
             who = dead[0]
             self.lost = Lost(
@@ -233,18 +245,18 @@ class SessionSupervisor(Supervisor):
                 "rank was stopped and their state is lost. Call restart() for fresh ranks.",
                 dead_rank=True,
             )
-            self.current.failure_seen = True
-            self._stop_all()
+            self.loop.current.failure_seen = True
+            self.loop.stop_all()
             return
-        failed = any(w.failure is not None for w in self.current.workers)
+        failed = any(w.failure is not None for w in self.loop.current.workers)
         if not failed or self.lost is not None:
             return
         now = time.monotonic()
-        if self.current.failed_at is None:
-            self.current.failed_at = now
+        if self.loop.current.failed_at is None:
+            self.loop.current.failed_at = now
         # The failed rank itself is finishing (its Idle, or its post-mortem) on its own.
-        running = [w for w in self.current.workers if not w.finished and w.failure is None]
-        phase = _watchdogs.after_failure(self.current.failed_at, now)
+        running = [w for w in self.loop.current.workers if not w.finished and w.failure is None]
+        phase = _watchdogs.after_failure(self.loop.current.failed_at, now)
         if running and phase == "interrupt":
             self._interrupt(running)
         elif running and phase == "give up":
@@ -264,15 +276,15 @@ class SessionSupervisor(Supervisor):
         (``_rank/_regroup.py``): idle ranks drop their connections to the others until every
         stuck rank has ended its cell, then every rank forms the default group again.
         Whether that worked (every rank idle, with a fresh group, its namespace kept)."""
-        if self.config.debug is not None or not stuck or self.lost is not None:
+        if self.loop.config.debug is not None or not stuck or self.lost is not None:
             return False  # a post-mortem would open on the freed rank's connection error
-        if self.config.backend != "gloo":
+        if self.loop.config.backend != "gloo":
             # NCCL's collectives wait on the GPU, not on a socket the idle ranks could shut;
             # torch's abort would have to run inside the blocked rank. Stopped, as before.
             return False
         # The calls below are not the cell's work: its live view (which knows only the cell's
         # ranks) does not hear of them; it is closed with the cell's error.
-        self.current.observer = None
+        self.loop.current.observer = None
         try:
             peers = self._rank_endpoints()
         except Exception:  # an agent that cannot read them: stopped, as when nothing frees
@@ -292,7 +304,7 @@ class SessionSupervisor(Supervisor):
             dropped.update(w.index for w in fresh)
             if self._call(fresh, _regroup.drop_connections, peers, limit=2.0):
                 return False
-            self._read_until(
+            self.loop.read_until(
                 lambda waiting=waiting: all(_idle(w) for w in waiting),  # type: ignore[misc]
                 max(0.0, deadline - time.monotonic()),
             )
@@ -306,7 +318,7 @@ class SessionSupervisor(Supervisor):
     def _rank_endpoints(self) -> list[tuple[str, int]]:
         """Every rank's TCP socket addresses: read where the ranks run (on a cluster, by each
         node's agent), else here."""
-        found = self.host.endpoints()
+        found = self.loop.host.endpoints()
         if found is not None:
             return found
         pids = [w.process.pid for w in self.workers if w.process is not None]
@@ -335,13 +347,13 @@ class SessionSupervisor(Supervisor):
         for worker in workers:
             worker.tasks_sent += 1
             worker.send(_protocol.Call(0, payload))
-        self._read_until(lambda: all(_idle(w) for w in workers), limit)
+        self.loop.read_until(lambda: all(_idle(w) for w in workers), limit)
         return [w for w in workers if not _idle(w) or w.failure is not failures[w.index]]
 
     def _check_skipped_collective(self) -> None:
         """End the cell when the counts prove a deadlock (``_diagnosis.skipped_collective``)
         that has looked the same for ``DEADLOCK_SETTLE`` s: no rank can leave it."""
-        run = self.current
+        run = self.loop.current
         if self.lost is not None or run.failure_seen or run.failed_at is not None:
             return
         if any(w.failure is not None for w in run.workers):
@@ -354,7 +366,9 @@ class SessionSupervisor(Supervisor):
         if not running or not done:
             run.deadlock_key = run.deadlock_since = None
             return
-        states = {w.outcome.rank: _collectives.read(self.counter_file(w) or "") for w in running}
+        states = {
+            w.outcome.rank: _collectives.read(self.loop.counter_file(w) or "") for w in running
+        }
         found = _diagnosis.skipped_collective({w.outcome.rank: w.collectives for w in done}, states)
         key = None
         if found is not None:
@@ -364,7 +378,7 @@ class SessionSupervisor(Supervisor):
             return
         if found is None or not _watchdogs.deadlock_due(run.deadlock_since, now):
             return
-        frames = self._stacks(running)
+        frames = self.loop.stacks(running)
         by_rank = {w.outcome.rank: frames.get(w.index, []) for w in running}
         text = _diagnosis.skipped_collective_report(found, by_rank)
         root = running[0]
@@ -378,15 +392,19 @@ class SessionSupervisor(Supervisor):
         root.outcome.message = text.split("\n", 1)[0]
         outcomes = [w.outcome for w in run.workers]
         message = f"{text}\n\n{self._note()}"
-        raise self._with_reports(WorkerFailedError(message, root.outcome, outcomes, self._logs()))
+        raise self.loop.with_reports(
+            WorkerFailedError(message, root.outcome, outcomes, self.loop.logs())
+        )
 
     def _interrupt(self, running: list[Rank]) -> None:
         """SIGINT the ranks, again every ``REPEAT_INTERRUPT`` s while they run: a rank that
         had not yet entered its task when the first one came ignored it."""
         now = time.monotonic()
-        if not _watchdogs.interrupt_due(self.current.interrupted, self.current.last_interrupt, now):
+        if not _watchdogs.interrupt_due(
+            self.loop.current.interrupted, self.loop.current.last_interrupt, now
+        ):
             return
-        self.current.interrupted, self.current.last_interrupt = True, now
+        self.loop.current.interrupted, self.loop.current.last_interrupt = True, now
         for worker in running:
             if worker.prompt is not None:
                 # At a pdb prompt the rank waits for a line, not a signal: quit its debugger
@@ -398,18 +416,18 @@ class SessionSupervisor(Supervisor):
 
     def _give_up(self, reason: str) -> None:
         self.lost = Lost(reason, dead_rank=False)
-        self.current.failure_seen = True
-        self._stop_all()
+        self.loop.current.failure_seen = True
+        self.loop.stop_all()
 
     def _settle_interrupted(self) -> list[Rank]:
         """Interrupt the running ranks and wait for them; those that did not stop."""
-        return self._settle([w for w in self.current.workers if not w.finished and w.alive])
+        return self._settle([w for w in self.loop.current.workers if not w.finished and w.alive])
 
     def _settle(self, running: list[Rank]) -> list[Rank]:
         """Interrupt ``running`` and wait until each is idle again; those that are not."""
-        self.current.interrupted = False  # the first interrupt goes now
+        self.loop.current.interrupted = False  # the first interrupt goes now
         self._interrupt(running)
-        self._read_until(
+        self.loop.read_until(
             lambda: all(_idle(w) for w in running),
             _watchdogs.INTERRUPT_GRACE,
             each=lambda: self._interrupt([w for w in running if not _idle(w)]),
@@ -420,8 +438,8 @@ class SessionSupervisor(Supervisor):
         try:
             stuck = self._settle_interrupted()
         except KeyboardInterrupt:  # a second interrupt: no more waiting
-            stuck = [w for w in self.current.workers if not w.finished]
-        ranks = ", ".join(str(w.outcome.rank) for w in self.current.workers)
+            stuck = [w for w in self.loop.current.workers if not w.finished]
+        ranks = ", ".join(str(w.outcome.rank) for w in self.loop.current.workers)
         if stuck:
             names = ", ".join(str(w.outcome.rank) for w in stuck)
             self._free_or_stop(
@@ -441,9 +459,11 @@ class SessionSupervisor(Supervisor):
         return LaunchInterrupted(text)
 
     def _task_timeout(self, timeout: float) -> LaunchTimeoutError:
-        live = [w for w in self.current.workers if w.alive and not w.finished]
-        frames = self._stacks(live)
-        text, stacks = _diagnosis.timeout_report(timeout, self._stuck_views(live, frames), "cell")
+        live = [w for w in self.loop.current.workers if w.alive and not w.finished]
+        frames = self.loop.stacks(live)
+        text, stacks = _diagnosis.timeout_report(
+            timeout, self.loop.stuck_views(live, frames), "cell"
+        )
         stuck = self._settle_interrupted()
         if stuck:
             names = ", ".join(str(w.outcome.rank) for w in stuck)
@@ -454,9 +474,9 @@ class SessionSupervisor(Supervisor):
                 "session was restarted with fresh ranks and every rank's state was lost.",
             )
         text += "\n\n" + self._note()
-        outcomes = [w.outcome for w in self.current.workers]
-        error = LaunchTimeoutError(text, timeout, stacks, outcomes, self._logs())
-        return self._with_reports(error)
+        outcomes = [w.outcome for w in self.loop.current.workers]
+        error = LaunchTimeoutError(text, timeout, stacks, outcomes, self.loop.logs())
+        return self.loop.with_reports(error)
 
 
 def _idle(worker: Rank) -> bool:

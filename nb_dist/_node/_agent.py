@@ -24,12 +24,10 @@ import shutil
 import signal
 import socket
 import sys
-import tempfile
 import threading
 import time
 import types
 from collections.abc import Iterator
-from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -38,13 +36,10 @@ from .._rank import _regroup
 from .._rank._spec import WorkerChannels, WorkerSpec
 from .._shared import _clock, _collectives
 from .._shared._protocol import COLLECTIVES_ENV
+from .._shared._starting import DRAIN_AFTER_EXIT, Gate, gated_start, host_store, scratch_folder
 from ._outbox import KINDS, Batch, Outbox
 
 _log = logging.getLogger(__name__)
-#: How long a rank's pipes are read after it exited before its exit is reported anyway (a
-#: grandchild may hold them open).
-DRAIN_AFTER_EXIT = 1.0
-_STORE_TIMEOUT = timedelta(seconds=300)
 
 
 @dataclasses.dataclass
@@ -108,16 +103,7 @@ class NodeAgent:
 
     def open_store(self, address: str, world_size: int) -> int:
         """Host the launch's rendezvous store (torch's TCPStore) here; its port (from the OS)."""
-        from torch.distributed import TCPStore
-
-        self._store = TCPStore(
-            host_name=address,
-            port=0,
-            world_size=world_size,
-            is_master=True,
-            timeout=_STORE_TIMEOUT,
-            wait_for_workers=False,
-        )
+        self._store = host_store(address, None, world_size)
         return int(self._store.port)
 
     # ------------------------------------------------------------------ a run
@@ -130,20 +116,12 @@ class NodeAgent:
             _take_priority(self._niceness)  # before this thread starts a rank (or a server)
             self._end_ranks()
             self._run, self._outbox = run, Outbox(run)
-            self._folder = tempfile.mkdtemp(prefix="nb_dist_node_", dir=_scratch_root())
-            lifeline_reader, self._lifeline = multiprocessing.Pipe(duplex=False)
-            gate_reader, gate_writer = multiprocessing.Pipe(duplex=False)
+            self._folder = scratch_folder("nb_dist_node_")
             context = _processes.forkserver_context(True) if method == "forkserver" else None
-            try:
+            with gated_start(self._end_ranks) as gate:
+                self._lifeline = gate.lifeline  # _end_ranks closes it
                 for spec in specs:
-                    self._ranks.append(self._start_one(spec, method, context, lifeline_reader,
-                                                       gate_reader))  # fmt: skip
-            except BaseException:
-                self._end_ranks()
-                raise
-            finally:
-                for conn in (lifeline_reader, gate_reader, gate_writer):
-                    conn.close()  # the gate opens
+                    self._ranks.append(self._start_one(spec, method, context, gate))
             self._stop_reading = threading.Event()
             self._reader = threading.Thread(
                 target=self._read, args=(self._ranks, self._outbox, self._stop_reading),
@@ -157,8 +135,7 @@ class NodeAgent:
         spec: WorkerSpec,
         method: str,
         context: Any,
-        lifeline: Connection,
-        gate: Connection,
+        gate: Gate,
     ) -> _Local:
         assert self._folder is not None
         folder = os.path.join(self._folder, str(spec.rank))
@@ -172,7 +149,9 @@ class NodeAgent:
         widen(pipes["control"][0])  # a large result leaves the rank in 1 MB writes
         commands_reader, commands_writer = multiprocessing.Pipe(duplex=False)
         writers = {kind: writer for kind, (_, writer) in pipes.items()}
-        channels = WorkerChannels(**writers, lifeline=lifeline, gate=gate, commands=commands_reader)
+        channels = WorkerChannels(
+            **writers, lifeline=gate.lifeline_end, gate=gate.gate_end, commands=commands_reader
+        )
         try:
             with _plain_main():
                 process = _processes.start(method, spec, channels, context)
@@ -410,11 +389,6 @@ def _read_counter(path: str) -> bytes:
     with contextlib.suppress(OSError), open(path, "rb", buffering=0) as file:
         return os.pread(file.fileno(), _collectives.SIZE, 0)
     return b""
-
-
-def _scratch_root() -> str | None:
-    shm = "/dev/shm"
-    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
 
 
 def _interface_of(address: str) -> str | None:

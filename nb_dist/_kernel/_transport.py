@@ -1,0 +1,72 @@
+"""The one seam between a launch and where its ranks run: the :class:`Transport`.
+
+Runs in the kernel. Every launch and every set of live ranks goes through a transport at the
+same four points, and nothing else in the kernel asks where the ranks run:
+
+- :meth:`Transport.decide` finishes the checked plan for where the ranks go (this machine:
+  its devices, the threads fork can give, the function shipped for spawn; a cluster: its
+  placement and nodes, the function shipped by value);
+- :meth:`Transport.run_attempt` runs one attempt (the store, each rank's environment, the
+  kernel's own ``Supervisor`` with the transport's ``RankHost``), so the loop, the output,
+  the diagnosis and the results are the same for every transport;
+- :meth:`Transport.session_host` gives live ranks (``nb_dist.Ranks``) their environments
+  and the host their session supervisor starts and ends them through;
+- :meth:`Transport.interrupted` lets the transport keep, after ■, what is sound for the
+  next launch.
+
+Two implementations: ``_local.LocalTransport`` (this machine, the default) and
+``nb_dist._cluster.RayCluster`` (``cluster=``). This module names only the protocol and picks
+one (:func:`transport_for`), so the kernel never imports a cluster engine.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from ._local import LocalTransport
+
+if TYPE_CHECKING:
+    from ._observer import Observer
+    from ._options import LaunchOptions
+    from ._output import OutputRouter
+    from ._plan import LaunchPlan
+    from ._supervisor import AttemptResult, RankHost
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """Where a launch's ranks run, and what starting them there takes."""
+
+    def decide(self, plan: LaunchPlan, options: LaunchOptions) -> LaunchPlan:
+        """The final plan for the checked arguments; raises what refuses the launch."""
+        ...
+
+    def run_attempt(
+        self, plan: LaunchPlan, number: int, router: OutputRouter, observer: Observer | None
+    ) -> tuple[AttemptResult, int]:
+        """Run attempt ``number``: its result and the rendezvous port."""
+        ...
+
+    def session_host(self, plan: LaunchPlan, number: int) -> tuple[list[dict[str, str]], RankHost]:
+        """Where live ranks run: each rank's environment, and the host their session
+        supervisor starts and ends them through (closing it frees what this opened)."""
+        ...
+
+    def interrupted(self) -> None:
+        """The launch was interrupted (its ranks are stopped): keep what is still sound for
+        the next launch, give back what is not."""
+        ...
+
+
+def transport_for(cluster: object) -> Transport:
+    """The transport of ``cluster=``: ``None`` is this machine; anything else must be a
+    cluster object such as ``nb_dist.RayCluster(...)``."""
+    if cluster is None:
+        return LocalTransport()
+    if not isinstance(cluster, Transport):
+        raise TypeError(
+            f"cluster={cluster!r} is not a cluster to launch on. Pass "
+            "cluster=nb_dist.RayCluster(...) to run the ranks on a Ray cluster, or leave "
+            "cluster=None to run them on this machine."
+        )
+    return cluster

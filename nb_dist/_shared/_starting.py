@@ -1,0 +1,89 @@
+"""Starting one run's ranks, wherever they start: the kernel, or a cluster node's agent.
+
+Runs on both sides of a cluster launch (the kernel and each node agent), so it is written
+once here: the rendezvous store a run hosts, its scratch folder, the start gate and the
+lifeline, and how long a dead rank's pipes are still read.
+
+- The **store** is torch's ``TCPStore``, hosted by whoever starts rank 0 (the kernel, or
+  rank 0's node agent), on port 0 unless a port is asked for: the OS picks a free port the
+  store already owns, so no other program can take it in between.
+- The **scratch folder** holds each rank's error file and collective counter, in memory
+  (``/dev/shm``) where possible: a counter is written at every collective.
+- The **start gate**: ranks wait for EOF on it before any user code runs, and the starter
+  closes its write end once every rank is started, so no rank connects to the store while
+  another is still being forked (a fork would copy a lock the store's server thread holds).
+- The **lifeline**: the starter keeps its only write end; when the starter dies, every rank
+  reads EOF and kills itself.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+#: How long ranks may take to reach the rendezvous store (the store's client timeout).
+STORE_TIMEOUT = 300.0
+#: How long a dead rank's pipes are still read (a grandchild may hold them open).
+DRAIN_AFTER_EXIT = 1.0
+
+
+def host_store(address: str, port: int | None, world_size: int) -> Any:
+    """Host a run's rendezvous store (``torch.distributed.TCPStore``) on ``address``;
+    ``port=None``: a free one, read back from ``store.port``."""
+    from torch.distributed import TCPStore
+
+    return TCPStore(
+        host_name=address,
+        port=port or 0,
+        world_size=world_size,
+        is_master=True,
+        timeout=timedelta(seconds=STORE_TIMEOUT),
+        wait_for_workers=False,
+    )
+
+
+def scratch_folder(prefix: str) -> str:
+    """A private folder for a run's per-rank files: in memory (``/dev/shm``) where possible."""
+    shm = "/dev/shm"
+    where = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
+    return tempfile.mkdtemp(prefix=prefix, dir=where)
+
+
+class Gate:
+    """The start gate and the lifeline of one start: the ends a rank is given
+    (:attr:`lifeline_end`, :attr:`gate_end`) and the ones only the starter may hold."""
+
+    def __init__(self) -> None:
+        self.lifeline_end, self.lifeline = multiprocessing.Pipe(duplex=False)
+        self.gate_end, self._opener = multiprocessing.Pipe(duplex=False)
+
+    def starter_fds(self) -> list[int]:
+        """The starter's ends, which a forked rank must close (or EOF would never come)."""
+        return [self.lifeline.fileno(), self._opener.fileno()]
+
+    def _open(self) -> None:
+        for conn in (self.lifeline_end, self._opener, self.gate_end):
+            conn.close()  # EOF on the gate for every rank; the ranks hold their own ends
+
+
+@contextmanager
+def gated_start(on_failure: Callable[[], None]) -> Iterator[Gate]:
+    """Start ranks inside the block, then open the gate. If the block raises (a rank could
+    not start, an interrupt), ``on_failure()`` kills the ranks already started while they
+    still wait at the gate, so none runs user code, and the lifeline is closed."""
+    gate = Gate()
+    try:
+        yield gate
+    except BaseException:
+        try:
+            on_failure()
+        finally:
+            gate.lifeline.close()
+        raise
+    finally:
+        gate._open()
