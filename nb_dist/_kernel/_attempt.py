@@ -1,5 +1,9 @@
 """What one attempt's ranks share in the kernel: the store, a scratch folder, their environments.
 
+Each rank's environment is decided here for every transport (:func:`rank_env`: torchrun's
+variables, nb_dist's hand-offs, the rank's error file and collective counter); a cluster
+adds its node's layout on top.
+
 A launch opens one :class:`AttemptSetup` per try (restarts open another); live ranks open one per
 start and keep it until they stop. Either way the kernel hosts the rendezvous store (on node
 0), each rank gets an error file and a collective counter in a private folder, and each
@@ -10,9 +14,11 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 from typing import Any
 
 from .._shared import _collectives
+from .._shared._net import is_loopback
 from .._shared._protocol import COLLECTIVES_ENV
 from .._shared._starting import scratch_folder
 from . import _ports
@@ -57,6 +63,75 @@ def rank_env(plan: LaunchPlan, local: int, port: int, attempt: int, folder: str)
     """One rank's environment, with its error file and collective counter in ``folder``."""
     rank = plan.ranks[local]
     os.makedirs(os.path.join(folder, str(rank)), exist_ok=True)
-    env = plan.worker_env(local, port, attempt, os.path.join(folder, str(rank), "error.json"))
+    env = torchrun_env(plan, local, port, attempt, os.path.join(folder, str(rank), "error.json"))
     env[COLLECTIVES_ENV] = _collectives.create(folder, rank)
     return env
+
+
+def torchrun_env(
+    plan: LaunchPlan, local_rank: int, port: int, attempt: int, error_file: str
+) -> dict[str, str]:
+    """The environment torchrun would give this rank, plus nb_dist's own hand-offs."""
+    rank, mixed = plan.ranks[local_rank], plan.mixed_precision
+    env = {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(plan.world_size),
+        "LOCAL_WORLD_SIZE": str(plan.nprocs),
+        "NODE_RANK": str(plan.node_rank),
+        "GROUP_RANK": str(plan.node_rank),
+        "GROUP_WORLD_SIZE": str(plan.num_nodes),
+        "ROLE_RANK": str(rank),
+        # What torch's elastic_launch (and so accelerate.notebook_launcher) gives.
+        "ROLE_NAME": "default_role",
+        "ROLE_WORLD_SIZE": str(plan.world_size),
+        "MASTER_ADDR": plan.master_addr,
+        "MASTER_PORT": str(port),
+        # The kernel hosts the store (see ports.py): every rank connects as a client.
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RESTART_COUNT": str(attempt),
+        "TORCHELASTIC_MAX_RESTARTS": str(plan.max_restarts),
+        "TORCHELASTIC_RUN_ID": str(plan.rdzv_id),
+        # Where torch's @record writes a failing rank's error (torchrun sets one per rank).
+        "TORCHELASTIC_ERROR_FILE": error_file,
+        "ACCELERATE_MIXED_PRECISION": mixed,
+        "NB_DIST_MIXED_PRECISION": mixed,
+        # accelerate.notebook_launcher's own hand-offs, for code that reads them.
+        "MIXED_PRECISION": mixed,
+        "NPROC": str(plan.nprocs),
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        # torch's own store-based barrier at the end of init_process_group and new_group:
+        # without it a rank whose function returns right after init exits while a slower
+        # peer is still connecting its mesh to it, and that peer fails with "Connection
+        # closed by peer" (5 launches in 100 of init-and-return on a loaded 2-core box).
+        # A user's own setting wins (os.environ is laid under this by the rank).
+        "TORCH_DIST_INIT_BARRIER": os.environ.get("TORCH_DIST_INIT_BARRIER", "1"),
+    }
+    if plan.threads is not None:
+        env["OMP_NUM_THREADS"] = str(plan.threads)
+    if is_loopback(plan.master_addr) and not os.environ.get("GLOO_SOCKET_IFNAME"):
+        # Gloo otherwise resolves the host name to pick an interface, which fails on
+        # machines without network or with an unresolvable host name.
+        interface = _loopback_interface()
+        if interface:
+            env["GLOO_SOCKET_IFNAME"] = interface
+    if not plan.use_gpu:
+        # Accelerate only picks MULTI_CPU (gloo, one process per rank) when told to use
+        # the CPU; without it, Accelerator() in each worker would see a single process.
+        env["ACCELERATE_USE_CPU"] = "true"
+    if plan.device == "cpu" or (plan.device == "auto" and not plan.use_gpu):
+        # CPU ranks see no GPU: code that calls init_process_group() without a backend
+        # then gets gloo (with a GPU in view torch picks NCCL, which has no CPU tensors:
+        # "No backend type associated with device type cpu"), and nothing touches one.
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+def _loopback_interface() -> str | None:
+    names = (
+        {name for _, name in socket.if_nameindex()} if hasattr(socket, "if_nameindex") else set()
+    )
+    for candidate in ("lo", "lo0"):
+        if candidate in names:
+            return candidate
+    return None

@@ -24,7 +24,6 @@ import dataclasses
 import linecache
 import multiprocessing
 import os
-import socket
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,7 +31,6 @@ from typing import Any
 
 from .._rank._spec import WorkerSpec
 from .._shared import _shipping
-from .._shared._net import is_loopback
 from .._shared._precision import normalize_mixed_precision
 from . import _openmp, _preflight, _warm
 from ._errors import UnsafeLaunchError
@@ -112,64 +110,6 @@ class LaunchPlan:
             session=self.session,
             debug=self.debug,
         )
-
-    def worker_env(
-        self, local_rank: int, port: int, attempt: int, error_file: str
-    ) -> dict[str, str]:
-        """The environment torchrun would give this rank, plus nb_dist's own hand-offs."""
-        rank, mixed = self.ranks[local_rank], self.mixed_precision
-        env = {
-            "RANK": str(rank),
-            "LOCAL_RANK": str(local_rank),
-            "WORLD_SIZE": str(self.world_size),
-            "LOCAL_WORLD_SIZE": str(self.nprocs),
-            "NODE_RANK": str(self.node_rank),
-            "GROUP_RANK": str(self.node_rank),
-            "GROUP_WORLD_SIZE": str(self.num_nodes),
-            "ROLE_RANK": str(rank),
-            # What torch's elastic_launch (and so accelerate.notebook_launcher) gives.
-            "ROLE_NAME": "default_role",
-            "ROLE_WORLD_SIZE": str(self.world_size),
-            "MASTER_ADDR": self.master_addr,
-            "MASTER_PORT": str(port),
-            # The kernel hosts the store (see ports.py): every rank connects as a client.
-            "TORCHELASTIC_USE_AGENT_STORE": "True",
-            "TORCHELASTIC_RESTART_COUNT": str(attempt),
-            "TORCHELASTIC_MAX_RESTARTS": str(self.max_restarts),
-            "TORCHELASTIC_RUN_ID": str(self.rdzv_id),
-            # Where torch's @record writes a failing rank's error (torchrun sets one per rank).
-            "TORCHELASTIC_ERROR_FILE": error_file,
-            "ACCELERATE_MIXED_PRECISION": mixed,
-            "NB_DIST_MIXED_PRECISION": mixed,
-            # accelerate.notebook_launcher's own hand-offs, for code that reads them.
-            "MIXED_PRECISION": mixed,
-            "NPROC": str(self.nprocs),
-            "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
-            # torch's own store-based barrier at the end of init_process_group and new_group:
-            # without it a rank whose function returns right after init exits while a slower
-            # peer is still connecting its mesh to it, and that peer fails with "Connection
-            # closed by peer" (5 launches in 100 of init-and-return on a loaded 2-core box).
-            # A user's own setting wins (os.environ is laid under this by the rank).
-            "TORCH_DIST_INIT_BARRIER": os.environ.get("TORCH_DIST_INIT_BARRIER", "1"),
-        }
-        if self.threads is not None:
-            env["OMP_NUM_THREADS"] = str(self.threads)
-        if is_loopback(self.master_addr) and not os.environ.get("GLOO_SOCKET_IFNAME"):
-            # Gloo otherwise resolves the host name to pick an interface, which fails on
-            # machines without network or with an unresolvable host name.
-            interface = _loopback_interface()
-            if interface:
-                env["GLOO_SOCKET_IFNAME"] = interface
-        if not self.use_gpu:
-            # Accelerate only picks MULTI_CPU (gloo, one process per rank) when told to use
-            # the CPU; without it, Accelerator() in each worker would see a single process.
-            env["ACCELERATE_USE_CPU"] = "true"
-        if self.device == "cpu" or (self.device == "auto" and not self.use_gpu):
-            # CPU ranks see no GPU: code that calls init_process_group() without a backend
-            # then gets gloo (with a GPU in view torch picks NCCL, which has no CPU tensors:
-            # "No backend type associated with device type cpu"), and nothing touches one.
-            env["CUDA_VISIBLE_DEVICES"] = ""
-        return env
 
 
 def decide(plan: LaunchPlan, options: LaunchOptions) -> LaunchPlan:
@@ -489,16 +429,6 @@ def _kernel_threads() -> int:
 
     torch = sys.modules.get("torch")
     return int(torch.get_num_threads()) if torch is not None else 1
-
-
-def _loopback_interface() -> str | None:
-    names = (
-        {name for _, name in socket.if_nameindex()} if hasattr(socket, "if_nameindex") else set()
-    )
-    for candidate in ("lo", "lo0"):
-        if candidate in names:
-            return candidate
-    return None
 
 
 def _pickle_for_spawn(function: Callable[..., Any], args: tuple[Any, ...]) -> bytes:

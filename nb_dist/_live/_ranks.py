@@ -147,7 +147,7 @@ class Ranks:
         # starts them and, when the session closes, frees what session_host opened.
         envs, host = self._transport.session_host(plan, self.restarts)
         try:
-            supervisor = SessionSupervisor(plan, envs, router, None, host)
+            supervisor = SessionSupervisor(plan, envs, router, host)
         except BaseException:
             host.close()
             raise

@@ -87,16 +87,11 @@ class SessionSupervisor:
     """
 
     def __init__(
-        self,
-        plan: LaunchPlan,
-        worker_env: list[dict[str, str]],
-        router: OutputRouter,
-        observer: Observer | None,
-        host: RankHost,
+        self, plan: LaunchPlan, envs: list[dict[str, str]], router: OutputRouter, host: RankHost
     ) -> None:
         #: The supervisor loop that starts, reads, watches and stops the ranks; between
         #: tasks (and while they start) its run watches every rank under ``_BETWEEN``.
-        self.loop = Supervisor(plan, worker_env, router, observer, host, policy=_BETWEEN)
+        self.loop = Supervisor(plan, envs, router, None, host, policy=_BETWEEN)
         self.task_count = 0
         #: Why the ranks were stopped, once they were (the session's state is gone).
         self.lost: Lost | None = None

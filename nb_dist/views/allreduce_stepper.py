@@ -460,20 +460,11 @@ class AllReduceStepper(_WidgetView):
         xs = range(self.world_size)
         ax.bar(xs, totals, color=[rank_color(r) for r in xs], alpha=0.3, label="ring, all steps")
         ax.bar(xs, so_far, color=[rank_color(r) for r in xs], label=f"sent by step {step}")
-        ax.axhline(
-            self.ring_bytes_formula(),
-            color="#000000",
-            linestyle="--",
-            linewidth=1,
-            label="2(N-1)/N x buffer",
-        )
-        ax.axhline(
-            self.naive_bytes(),
-            color="#D55E00",
-            linestyle=":",
-            linewidth=1.5,
-            label="naive all-to-all (N-1) x buffer",
-        )
+        for level, color, style, width, label in (
+            (self.ring_bytes_formula(), "#000000", "--", 1, "2(N-1)/N x buffer"),
+            (self.naive_bytes(), "#D55E00", ":", 1.5, "naive all-to-all (N-1) x buffer"),
+        ):
+            ax.axhline(level, color=color, linestyle=style, linewidth=width, label=label)
         ax.set_xticks(list(xs))
         ax.set_xticklabels([f"rank {r}" for r in xs], fontsize=8)
         ax.set_ylabel("bytes sent")

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from traitlets import CFloat, observe
@@ -315,18 +315,13 @@ class PrecisionExplorer(_WidgetView):
                 rel_error = abs_error / abs(exact) if exact else math.nan
             else:
                 abs_error = rel_error = math.nan
-            out[name] = Representation(
-                dtype=name,
+            out[name] = replace(
+                base,  # its bits, stored value and subnormal flag; the errors against exact
                 value=exact,
-                stored=product,
                 abs_error=abs_error,
                 rel_error=rel_error,
                 overflow=math.isfinite(exact) and math.isinf(product),
                 underflow=exact != 0 and product == 0,
-                subnormal=base.subnormal,
-                sign=base.sign,
-                exponent=base.exponent,
-                mantissa=base.mantissa,
             )
         return out
 
