@@ -92,6 +92,8 @@ def test_placement_says_what_can_never_fit():
         ({"placement": "SPREAD_THIN"}, "placement='SPREAD_THIN' is not one of Ray's strategies"),
         ({"resources_per_rank": {"GPU": -1}}, "each entry must be a resource name and a number"),
         ({"placement_timeout": 0}, "placement_timeout=0 must be a number of seconds above 0"),
+        ({"num_processes": 0}, "num_processes=0 must be a whole number, 1 or more"),
+        ({"num_processes": True}, "num_processes=True must be a whole number, 1 or more"),
     ],
 )
 def test_bad_options_are_refused_before_connecting(options, says):

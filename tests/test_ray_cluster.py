@@ -659,6 +659,41 @@ def test_interrupt_stops_every_rank_and_keeps_the_agents_warm(cluster, tmp_path,
     assert after < 5 * warm + 0.5, (after, warm)  # a cold start is seconds (new agents)
 
 
+def test_agents_started_with_the_cluster_object_make_the_first_launch_warm(ray_cluster, cluster):
+    """RayCluster(num_processes=2) starts the agents and their fork servers in the background:
+    a launch while they start waits for them (never a second set), and a first launch after
+    they are ready costs what a warm relaunch does."""
+    cluster.close()  # this test's clusters need both CPUs
+    early = nb_dist.RayCluster(ray_cluster.address, placement="STRICT_SPREAD", num_processes=2)
+    try:
+        assert list(nb_dist.notebook_launcher(_warm, (1,), num_processes=2, cluster=early)) == [
+            2,
+            2,
+        ]
+        assert len(live_agents()) == 2 and len(live_groups()) == 1  # one set, not two
+    finally:
+        early.close()
+    assert_cluster_clean()
+
+    ahead = nb_dist.RayCluster(ray_cluster.address, placement="STRICT_SPREAD", num_processes=2)
+    try:
+        ahead._wait_for_warming()  # the handshake: agents up, torch imported on both nodes
+        agents = {a["ActorID"] for a in live_agents()}
+        began = time.monotonic()
+        first = nb_dist.notebook_launcher(_warm, (2,), num_processes=2, cluster=ahead)
+        first_took = time.monotonic() - began
+        began = time.monotonic()
+        nb_dist.notebook_launcher(_warm, (3,), num_processes=2, cluster=ahead)
+        warm_took = time.monotonic() - began
+        assert list(first) == [4, 4]
+        assert {a["ActorID"] for a in live_agents()} == agents  # the warm agents served it
+        # A cold start is seconds (agents, then torch imported by each fork server).
+        assert first_took < 5 * warm_took + 0.5, (first_took, warm_took)
+    finally:
+        ahead.close()
+    assert_cluster_clean()
+
+
 def test_a_lost_node_names_its_ranks_as_the_root_cause(ray_cluster, cluster, tmp_path):
     cluster.close()
     doomed = ray_cluster.add_node(num_cpus=1)

@@ -226,6 +226,11 @@ class Gang:
         with contextlib.suppress(Exception):  # an agent lost now is found by the next launch
             self.ray.get(refs, timeout=CALL_LIMIT)
 
+    def wait_ready(self) -> None:
+        """Until every agent's fork server is up (torch imported there), at most
+        ``START_LIMIT`` seconds."""
+        self.ray.get([a.ready.remote(START_LIMIT) for a in self.agents], timeout=START_LIMIT + 5)
+
     def healthy(self) -> bool:
         """Every agent still answers (else the gang is replaced before a launch)."""
         try:

@@ -13,6 +13,8 @@ removes both with its driver.
 from __future__ import annotations
 
 import atexit
+import logging
+import threading
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -26,6 +28,7 @@ from . import _connect, _placement, _remote_ranks, _remote_run
 from ._gang import Gang
 from ._remote_run import ClusterHost
 
+_log = logging.getLogger(__name__)
 _open: weakref.WeakSet[RayCluster] = weakref.WeakSet()
 
 
@@ -43,6 +46,10 @@ class RayCluster:
             (default ``{"CPU": 1}``). With a GPU per rank the ranks use NCCL on their GPUs.
         placement_timeout: seconds Ray may take to place the bundles before the launch is
             refused, naming what was asked and what is free (Ray itself would wait forever).
+        num_processes: the ranks your launches will ask for. Given, the agents and their
+            fork servers (which import torch) start now, in the background, so a launch a
+            cell later finds them warm; a launch before they are ready waits for them, and
+            one with another ``num_processes`` makes its own. ``None``: at the first launch.
     """
 
     def __init__(
@@ -53,6 +60,7 @@ class RayCluster:
         placement: str = "PACK",
         resources_per_rank: Mapping[str, float] | None = None,
         placement_timeout: float = 10.0,
+        num_processes: int | None = None,
     ) -> None:
         if not isinstance(address, str) or not address:
             raise TypeError(f"address={address!r} must be a string such as 'auto'.")
@@ -94,10 +102,27 @@ class RayCluster:
         self.placement = placement
         self.resources_per_rank = {k: float(v) for k, v in per_rank.items()}
         self.placement_timeout = float(placement_timeout)
+        if num_processes is not None and (
+            isinstance(num_processes, bool) or not isinstance(num_processes, int)
+            or num_processes < 1
+        ):  # fmt: skip
+            raise ValueError(
+                f"num_processes={num_processes!r} must be a whole number, 1 or more (the "
+                "ranks your launches will ask for), or None to start the agents at the first "
+                "launch."
+            )
         self._ray: Any = _connect.ray_module()
         _connect.connect(self._ray, address)
         self._gang: Gang | None = None
+        #: One gang at a time: a launch and the background warm-up take turns here.
+        self._lock = threading.Lock()
+        self._warming: threading.Thread | None = None
         _open.add(self)
+        if num_processes is not None:
+            self._warming = threading.Thread(
+                target=self._warm, args=(num_processes,), name="nb_dist-ray-warm", daemon=True
+            )
+            self._warming.start()
 
     def __repr__(self) -> str:
         return (
@@ -142,7 +167,28 @@ class RayCluster:
             self._release()
 
     # ------------------------------------------------------------------ the agents
+    def _warm(self, nprocs: int) -> None:
+        """Start the agents for ``nprocs`` ranks (in the background); a failure is logged and
+        the first launch makes its own gang, raising what stops it in the cell."""
+        try:
+            with self._lock:
+                gang = self._gang_for_locked(nprocs, "forkserver")
+                gang.wait_ready()  # the fork servers too: torch imported on every node
+        except Exception:  # the launch makes its own gang and reports what stops it
+            _log.info("starting the agents in the background failed", exc_info=True)
+
+    def _wait_for_warming(self) -> None:
+        warming = self._warming
+        if warming is not None and warming is not threading.current_thread():
+            warming.join()  # an interrupt lands here; the warm-up goes on, holding the lock
+            self._warming = None
+
     def _gang_for(self, nprocs: int, method: str) -> Gang:
+        self._wait_for_warming()
+        with self._lock:
+            return self._gang_for_locked(nprocs, method)
+
+    def _gang_for_locked(self, nprocs: int, method: str) -> Gang:
         gang = self._gang
         if gang is not None and gang.session is not None:
             raise _connect.ClusterError(
@@ -169,7 +215,9 @@ class RayCluster:
 
     def close(self) -> None:
         """Give the agents and the placement group back (the next launch makes new ones)."""
-        self._release()
+        self._wait_for_warming()
+        with self._lock:
+            self._release()
 
     def __enter__(self) -> RayCluster:
         return self

@@ -65,9 +65,13 @@ class NodeAgent:
 
     def __init__(self, method: str = "forkserver") -> None:
         self._niceness = _node_niceness()
+        self._forkserver: threading.Thread | None = None
         if method == "forkserver":  # its imports overlap the launch's other preparations
-            threading.Thread(target=_start_forkserver, args=(self._niceness,),
-                             name="nb_dist-forkserver", daemon=True).start()  # fmt: skip
+            self._forkserver = threading.Thread(
+                target=_start_forkserver, args=(self._niceness,), name="nb_dist-forkserver",
+                daemon=True,
+            )  # fmt: skip
+            self._forkserver.start()
 
         self._run = -1
         self._ranks: list[_Local] = []
@@ -96,6 +100,14 @@ class NodeAgent:
             len(os.sched_getaffinity(0)),
             _clock.boot_id(),
         )
+
+    def ready(self, within: float) -> bool:
+        """Whether the node's fork server is up (waiting up to ``within`` seconds): a warm
+        agent's first rank forks at once instead of waiting for torch's import."""
+        if self._forkserver is not None:
+            self._forkserver.join(within)
+            return not self._forkserver.is_alive()
+        return True
 
     def clock(self) -> float:
         """This node's ``time.monotonic()``, which its ranks stamp their messages with."""
