@@ -197,6 +197,59 @@ def _warm(x):
     return x * 2
 
 
+def _listeners():
+    import os
+
+    import psutil
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    port = int(os.environ["MASTER_PORT"])
+    store = [
+        c.laddr.ip
+        for c in psutil.net_connections(kind="tcp")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == port
+    ]
+    mine = [
+        c.laddr.ip
+        for c in psutil.Process().net_connections(kind="tcp")
+        if c.status == psutil.CONN_LISTEN
+    ]
+    dist.barrier()
+    return os.environ["MASTER_ADDR"], store, mine
+
+
+def test_the_store_and_gloo_listen_on_the_nodes_cluster_address_only(cluster):
+    """The store in rank 0's agent and each rank's gloo are bound to the node's address on
+    the cluster network, never to every interface (neither authenticates its peers)."""
+    for address, store, mine in nb_dist.notebook_launcher(_listeners, num_processes=2,
+                                                          cluster=cluster):  # fmt: skip
+        assert store == [address], (address, store)
+        assert mine and all(ip not in ("0.0.0.0", "::") for ip in mine), mine
+
+
+def _crash_rank_1():
+    import ctypes
+
+    import nb_dist
+
+    if nb_dist.rank() == 1:
+        print("about to crash", flush=True)
+        ctypes.string_at(0)
+
+
+def test_a_local_launch_from_a_process_connected_to_ray_reports_a_crash(ray_cluster):
+    """ray.init() enables faulthandler and installs Ray's crash handlers in the kernel; a
+    forked rank's segfault must still show Python's crash report, as in any kernel."""
+    with pytest.raises(nb_dist.WorkerFailedError) as caught:
+        nb_dist.notebook_launcher(_crash_rank_1, num_processes=2)
+    err = caught.value
+    assert err.root_cause.rank == 1 and err.root_cause.signal_name == "SIGSEGV", str(err)
+    # Python's report, first: not Ray's ("*** SIGSEGV received at time=..."), nor nothing (Ray's
+    # handler inherited after ray.shutdown()).
+    assert "about to crash\nFatal Python error: Segmentation fault" in err.logs[1], err.logs[1]
+
+
 def test_a_relaunch_reuses_the_agents(cluster):
     first = nb_dist.notebook_launcher(_warm, (1,), num_processes=2, cluster=cluster)
     agents = {a["ActorID"] for a in live_agents()}

@@ -19,12 +19,9 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-from .._kernel._observer import Observer
 from .._kernel._options import LaunchOptions
-from .._kernel._output import OutputRouter
 from .._kernel._plan import LaunchPlan
-from .._kernel._supervisor import AttemptResult
-from . import _connect, _placement, _remote_ranks, _remote_run
+from . import _connect, _placement, _remote_run
 from ._gang import Gang
 from ._remote_run import ClusterHost
 
@@ -143,20 +140,12 @@ class RayCluster:
         use_gpu = gpus and plan.device != "cpu"
         return _remote_run.decide(self._gang_for, plan, options, use_gpu)
 
-    def run_attempt(
-        self, plan: LaunchPlan, number: int, router: OutputRouter, observer: Observer | None
-    ) -> tuple[AttemptResult, int]:
-        """One attempt on the agents; a gang that lost a node is given back after it."""
+    def open(self, plan: LaunchPlan, number: int) -> tuple[list[dict[str, str]], ClusterHost]:
+        """One attempt's ranks (or a live session's, ``nb_dist.Ranks(cluster=...)``) on the
+        agents: their environments and their host; a gang that lost a node is given back
+        when the host closes."""
         gang = self._gang_for(plan.nprocs, plan.start_method)
-        return _remote_run.run_attempt(gang, plan, number, router, observer, self._release)
-
-    def session_host(
-        self, plan: LaunchPlan, number: int
-    ) -> tuple[list[dict[str, str]], ClusterHost]:
-        """Live ranks on the agents (``nb_dist.Ranks(cluster=...)``): their environments and
-        their host."""
-        gang = self._gang_for(plan.nprocs, plan.start_method)
-        return _remote_ranks.session_host(gang, plan, number)
+        return _remote_run.open_ranks(gang, plan, number, self._release)
 
     def interrupted(self) -> None:
         """■ stopped the ranks (the run ended on every agent as the supervisor closed); the

@@ -4,10 +4,11 @@ Runs in the kernel. :func:`decide` replaces the local decisions (devices, thread
 the cluster's: the ranks start with forkserver (or spawn) on their nodes, the function and
 its arguments are shipped by value (and the pre-flight names what was shipped, or which
 argument or global did not pickle), and the placement group is reserved before anything
-starts. :func:`run_attempt` opens the rendezvous store on rank 0's node, gives each rank the
+starts. :func:`open_ranks` opens the rendezvous store on rank 0's node and gives each rank the
 environment torchrun would give it there (``LOCAL_RANK``, ``NODE_RANK``, ``LOCAL_WORLD_SIZE``
-by Ray node id; ``MASTER_ADDR`` the node's cluster address), and runs the kernel's own
-``Supervisor`` over the forwarded pipes, its ranks hosted by the agents (:class:`ClusterHost`).
+by Ray node id; ``MASTER_ADDR`` the node's cluster address); the kernel's own ``Supervisor``
+then runs over the forwarded pipes, its ranks hosted by the agents (:class:`ClusterHost`),
+for a launch's attempt and for live ranks alike.
 """
 
 from __future__ import annotations
@@ -22,16 +23,13 @@ from typing import Any
 
 from .._kernel import _plan
 from .._kernel._attempt import rank_env
-from .._kernel._observer import Observer
 from .._kernel._options import LaunchOptions
-from .._kernel._output import OutputRouter
 from .._kernel._plan import LaunchPlan
 from .._kernel._rank_handle import Rank
-from .._kernel._supervisor import AttemptResult, Supervisor
-from .._node._agent import widen
+from .._kernel._supervisor import Supervisor
 from .._shared import _protocol, _shipping
 from .._shared._protocol import COLLECTIVES_ENV
-from .._shared._starting import scratch_folder
+from .._shared._starting import scratch_folder, widen
 from ._forward import Forwarder, OnLost
 from ._gang import Gang
 
@@ -152,30 +150,20 @@ def _what(value: Any, exc: BaseException) -> str:
     return f"a {_protocol.type_name(value)}: {type(exc).__name__}: {exc}"
 
 
-def run_attempt(
-    gang: Gang,
-    plan: LaunchPlan,
-    number: int,
-    router: OutputRouter,
-    observer: Observer | None,
-    on_lost: Callable[[], None],
-) -> tuple[AttemptResult, int]:
-    """Run attempt ``number`` on the gang: (result, store port). ``on_lost()`` runs after a
-    run that lost a node (or an agent), however it ended."""
+def open_ranks(
+    gang: Gang, plan: LaunchPlan, number: int, on_lost: Callable[[], None]
+) -> tuple[list[dict[str, str]], ClusterHost]:
+    """Attempt ``number``'s ranks on the gang (or a live session's): each rank's environment,
+    the store opened on rank 0's node, and the host that starts and ends them. ``on_lost()``
+    runs when the host closes after a run that lost a node (or an agent)."""
     folder = scratch_folder("nb_dist_cluster_")
-    host = ClusterHost(gang)
     try:
         address, port = gang.open_store(plan.world_size)
         envs = [cluster_env(plan, gang, r, address, port, number, folder) for r in plan.ranks]
-        supervisor = Supervisor(plan, envs, router, observer, host)
-        try:
-            return supervisor.run(), port
-        finally:
-            router.finish()
-    finally:
+    except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
-        if host.node_lost:
-            on_lost()
+        raise
+    return envs, ClusterHost(gang, folder, on_lost, session=plan.session)
 
 
 def cluster_env(
@@ -207,14 +195,19 @@ class ClusterHost:
     """The supervisor's :class:`~nb_dist._kernel._supervisor.RankHost` for ranks on the
     gang's nodes: the agents start them, their pipes are forwarded into the kernel's, and
     the run ends on every agent when the supervisor is done (or the held rank's post-mortem
-    is). A live session's host also gives back its scratch folder and the gang's agents."""
+    is); the scratch folder goes with it, and a gang that lost a node is given back
+    (``on_lost``). A live session's host holds the gang until it closes."""
 
-    def __init__(self, gang: Gang, session_folder: str | None = None) -> None:
+    def __init__(
+        self, gang: Gang, folder: str, on_lost: Callable[[], None], session: bool = False
+    ) -> None:
         self._gang = gang
         self._forwarder: Forwarder | None = None
         self._forwarding_ended = False
-        self._session_folder = session_folder
-        if session_folder is not None:
+        self._folder: str | None = folder
+        self._give_back = on_lost  # the gang, after a run that lost a node
+        self._session = session
+        if session:
             gang.session = self  # its agents run no launch until this session closes
 
     @property
@@ -272,18 +265,21 @@ class ClusterHost:
         return lost
 
     def close(self) -> None:
-        """Stop the run's forwarder and end the run on every agent (once); a session's
-        scratch folder and agents are given back too."""
+        """Stop the run's forwarder and end the run on every agent, remove the scratch folder,
+        let a session's gang go, and give a gang that lost a node back (once)."""
         try:
             if self._forwarder is not None and not self._forwarding_ended:
                 self._forwarding_ended = True
                 self._forwarder.stop()
                 self._gang.end_run(self._forwarder.links)
         finally:
-            if self._session_folder is not None:
-                shutil.rmtree(self._session_folder, ignore_errors=True)
+            if self._folder is not None:
+                shutil.rmtree(self._folder, ignore_errors=True)
+                self._folder = None
                 if self._gang.session is self:
                     self._gang.session = None
+                if self.node_lost:
+                    self._give_back()
 
     def endpoints(self) -> list[tuple[str, int]] | None:
         """Every rank's TCP socket addresses, read by each node's agent (the ranks run

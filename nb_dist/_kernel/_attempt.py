@@ -17,10 +17,8 @@ import shutil
 import socket
 from typing import Any
 
-from .._shared import _collectives
 from .._shared._net import is_loopback
-from .._shared._protocol import COLLECTIVES_ENV
-from .._shared._starting import scratch_folder
+from .._shared._starting import rank_files, scratch_folder
 from . import _ports
 from ._plan import LaunchPlan
 
@@ -33,7 +31,11 @@ class AttemptSetup:
         self.folder: str | None = scratch_folder(folder_prefix)
         try:
             if plan.node_rank == 0:
-                self.store = _ports.open_store(plan.master_addr, plan.port, plan.world_size)
+                # On one machine the store listens on master_addr only (127.0.0.1 unless
+                # asked otherwise); placed by hand on several, on every interface.
+                self.store = _ports.open_store(
+                    plan.master_addr, plan.port, plan.world_size, only_there=plan.num_nodes == 1
+                )
             self.port: int = self.store.port if self.store is not None else plan.port or 0
             self.envs = [
                 rank_env(plan, local, self.port, number, self.folder)
@@ -61,16 +63,12 @@ class AttemptSetup:
 
 def rank_env(plan: LaunchPlan, local: int, port: int, attempt: int, folder: str) -> dict[str, str]:
     """One rank's environment, with its error file and collective counter in ``folder``."""
-    rank = plan.ranks[local]
-    os.makedirs(os.path.join(folder, str(rank)), exist_ok=True)
-    env = torchrun_env(plan, local, port, attempt, os.path.join(folder, str(rank), "error.json"))
-    env[COLLECTIVES_ENV] = _collectives.create(folder, rank)
+    env = torchrun_env(plan, local, port, attempt)
+    env.update(rank_files(folder, plan.ranks[local]))
     return env
 
 
-def torchrun_env(
-    plan: LaunchPlan, local_rank: int, port: int, attempt: int, error_file: str
-) -> dict[str, str]:
+def torchrun_env(plan: LaunchPlan, local_rank: int, port: int, attempt: int) -> dict[str, str]:
     """The environment torchrun would give this rank, plus nb_dist's own hand-offs."""
     rank, mixed = plan.ranks[local_rank], plan.mixed_precision
     env = {
@@ -93,7 +91,6 @@ def torchrun_env(
         "TORCHELASTIC_MAX_RESTARTS": str(plan.max_restarts),
         "TORCHELASTIC_RUN_ID": str(plan.rdzv_id),
         # Where torch's @record writes a failing rank's error (torchrun sets one per rank).
-        "TORCHELASTIC_ERROR_FILE": error_file,
         "ACCELERATE_MIXED_PRECISION": mixed,
         "NB_DIST_MIXED_PRECISION": mixed,
         # accelerate.notebook_launcher's own hand-offs, for code that reads them.

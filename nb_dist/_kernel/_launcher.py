@@ -18,7 +18,7 @@ from ._options import LaunchOptions
 from ._output import OutputRouter
 from ._plan import LaunchPlan, check_arguments
 from ._result import LaunchResult
-from ._supervisor import AttemptResult
+from ._supervisor import AttemptResult, Supervisor
 from ._tracebacks import ipython_shell
 from ._transport import Transport, transport_for
 
@@ -203,7 +203,7 @@ def _run_attempts(
         for text in plan.notices if attempt == 0 else ():
             router.notice(text)
         try:
-            outcome, port = transport.run_attempt(plan, attempt, router, live_view)
+            outcome, port = _run_attempt(transport, plan, attempt, router, live_view)
         except (WorkerFailedError, LaunchTimeoutError) as failure:
             if live_view is not None:
                 live_view.close(failure.outcomes)
@@ -217,6 +217,27 @@ def _run_attempts(
             )
             continue
         return outcome, [router.log_text(i) for i in range(plan.nprocs)], port, attempt
+
+
+def _run_attempt(
+    transport: Transport,
+    plan: LaunchPlan,
+    number: int,
+    router: OutputRouter,
+    live_view: Observer | None,
+) -> tuple[AttemptResult, int]:
+    """One attempt, wherever its ranks run: (its result, the rendezvous port)."""
+    __tracebackhide__ = True
+    envs, host = transport.open(plan, number)
+    try:
+        supervisor = Supervisor(plan, envs, router, live_view, host)
+    except BaseException:
+        host.close()
+        raise
+    try:
+        return supervisor.run(), int(envs[0]["MASTER_PORT"])  # run() closes the host
+    finally:
+        router.finish()
 
 
 def _interrupted(nprocs: int) -> KeyboardInterrupt:

@@ -21,11 +21,12 @@ _ports_in_use_here: set[int] = set()
 started_worker_pids: set[int] = set()
 
 
-def open_store(master_addr: str, port: int | None, world_size: int) -> Any:
-    """Start the launch's TCPStore server in the kernel on ``port`` (``None``: a free port);
-    a taken port or an address not of this machine refused in words."""
+def open_store(master_addr: str, port: int | None, world_size: int, only_there: bool) -> Any:
+    """Start the launch's TCPStore server in the kernel on ``port`` (``None``: a free port),
+    listening on ``master_addr`` only unless ``only_there`` is false (``host_store``); a
+    taken port or an address not of this machine refused in words."""
     try:
-        store = _starting.host_store(master_addr, port, world_size)
+        store = _starting.host_store(master_addr, port, world_size, only_there)
     except (RuntimeError, OSError) as exc:
         if port is not None and _is_address_in_use(exc):
             raise port_in_use_error(port) from None

@@ -1,16 +1,16 @@
 """The one seam between a launch and where its ranks run: the :class:`Transport`.
 
 Runs in the kernel. Every launch and every set of live ranks goes through a transport at the
-same four points, and nothing else in the kernel asks where the ranks run:
+same three points, and nothing else in the kernel asks where the ranks run:
 
 - :meth:`Transport.decide` finishes the checked plan for where the ranks go (this machine:
   its devices, the threads fork can give, the function shipped for spawn; a cluster: its
   placement and nodes, the function shipped by value);
-- :meth:`Transport.run_attempt` runs one attempt (the store, each rank's environment, the
-  kernel's own ``Supervisor`` with the transport's ``RankHost``), so the loop, the output,
-  the diagnosis and the results are the same for every transport;
-- :meth:`Transport.session_host` gives live ranks (``nb_dist.Ranks``) their environments
-  and the host their session supervisor starts and ends them through;
+- :meth:`Transport.open` gives one attempt's ranks (or a live session's) their
+  environments, with the rendezvous store opened for them, and the ``RankHost`` the
+  kernel's own ``Supervisor`` starts and ends them through: the launch and ``nb_dist.Ranks``
+  build that supervisor themselves, so the loop, the output, the diagnosis and the results
+  are the same for every transport;
 - :meth:`Transport.interrupted` lets the transport keep, after ■, what is sound for the
   next launch.
 
@@ -26,11 +26,9 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from ._local import LocalTransport
 
 if TYPE_CHECKING:
-    from ._observer import Observer
     from ._options import LaunchOptions
-    from ._output import OutputRouter
     from ._plan import LaunchPlan
-    from ._supervisor import AttemptResult, RankHost
+    from ._supervisor import RankHost
 
 
 @runtime_checkable
@@ -41,15 +39,10 @@ class Transport(Protocol):
         """The final plan for the checked arguments; raises what refuses the launch."""
         ...
 
-    def run_attempt(
-        self, plan: LaunchPlan, number: int, router: OutputRouter, observer: Observer | None
-    ) -> tuple[AttemptResult, int]:
-        """Run attempt ``number``: its result and the rendezvous port."""
-        ...
-
-    def session_host(self, plan: LaunchPlan, number: int) -> tuple[list[dict[str, str]], RankHost]:
-        """Where live ranks run: each rank's environment, and the host their session
-        supervisor starts and ends them through (closing it frees what this opened)."""
+    def open(self, plan: LaunchPlan, number: int) -> tuple[list[dict[str, str]], RankHost]:
+        """Attempt ``number``'s (or a live session's) ranks: each one's environment (the
+        rendezvous store opened for them) and the host the supervisor starts them through;
+        the host's ``close`` frees what this opened."""
         ...
 
     def interrupted(self) -> None:

@@ -144,8 +144,8 @@ class Ranks:
         for text in plan.notices:
             router.notice(text)
         # Where the ranks run: their environments (the store opened) and the host that
-        # starts them and, when the session closes, frees what session_host opened.
-        envs, host = self._transport.session_host(plan, self.restarts)
+        # starts them and, when the session closes, frees what open() opened.
+        envs, host = self._transport.open(plan, self.restarts)
         try:
             supervisor = SessionSupervisor(plan, envs, router, host)
         except BaseException:

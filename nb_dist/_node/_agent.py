@@ -36,7 +36,15 @@ from .._rank import _regroup
 from .._rank._spec import WorkerChannels, WorkerSpec
 from .._shared import _clock, _collectives
 from .._shared._protocol import COLLECTIVES_ENV
-from .._shared._starting import DRAIN_AFTER_EXIT, Gate, gated_start, host_store, scratch_folder
+from .._shared._starting import (
+    DRAIN_AFTER_EXIT,
+    Gate,
+    gated_start,
+    host_store,
+    rank_files,
+    scratch_folder,
+    widen,
+)
 from ._outbox import KINDS, Batch, Outbox
 
 _log = logging.getLogger(__name__)
@@ -150,13 +158,11 @@ class NodeAgent:
         gate: Gate,
     ) -> _Local:
         assert self._folder is not None
-        folder = os.path.join(self._folder, str(spec.rank))
-        os.makedirs(folder)
-        counter = _collectives.create(folder, spec.rank)
-        env = dict(spec.env)
-        env[COLLECTIVES_ENV] = counter
-        env["TORCHELASTIC_ERROR_FILE"] = os.path.join(folder, "error.json")
-        spec = dataclasses.replace(spec, env=env, parent_pid=os.getpid(), close_fds=[])
+        files = rank_files(self._folder, spec.rank)  # on this node, not the kernel's
+        counter = files[COLLECTIVES_ENV]
+        spec = dataclasses.replace(
+            spec, env={**spec.env, **files}, parent_pid=os.getpid(), close_fds=[]
+        )
         pipes = {kind: multiprocessing.Pipe(duplex=False) for kind in KINDS}
         widen(pipes["control"][0])  # a large result leaves the rank in 1 MB writes
         commands_reader, commands_writer = multiprocessing.Pipe(duplex=False)
@@ -387,14 +393,6 @@ def _plain_main() -> Iterator[None]:
         yield
     finally:
         sys.modules["__main__"] = real
-
-
-def widen(conn: Connection, size: int = 1 << 20) -> None:
-    """A ``size``-byte pipe buffer where Linux allows it (the default is 64 kB)."""
-    import fcntl
-
-    with contextlib.suppress(OSError, AttributeError):
-        fcntl.fcntl(conn.fileno(), fcntl.F_SETPIPE_SZ, size)
 
 
 def _read_counter(path: str) -> bytes:

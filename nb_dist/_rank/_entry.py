@@ -118,6 +118,10 @@ def _detach_from_kernel(spec: WorkerSpec, channels: WorkerChannels, forked: bool
     # crash. faulthandler writes from the signal handler in C, so it works even while the main
     # thread is blocked inside a collective.
     faulthandler.register(signal.SIGUSR1, file=channels.stack.fileno(), all_threads=True)
+    # Disabled first: a kernel connected to Ray has faulthandler enabled and Ray's own crash
+    # handlers installed over it, and enable() on an enabled faulthandler only changes its
+    # file, leaving those handlers to swallow the rank's "Fatal Python error".
+    faulthandler.disable()
     faulthandler.enable(file=sys.stderr, all_threads=False)
 
     threading.Thread(

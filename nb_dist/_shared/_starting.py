@@ -1,12 +1,14 @@
 """Starting one run's ranks, wherever they start: the kernel, or a cluster node's agent.
 
 Runs on both sides of a cluster launch (the kernel and each node agent), so it is written
-once here: the rendezvous store a run hosts, its scratch folder, the start gate and the
-lifeline, and how long a dead rank's pipes are still read.
+once here: the rendezvous store a run hosts, its scratch folder and each rank's files in it,
+the start gate and the lifeline, a large pipe for a rank's values, and how long a dead
+rank's pipes are still read.
 
 - The **store** is torch's ``TCPStore``, hosted by whoever starts rank 0 (the kernel, or
-  rank 0's node agent), on port 0 unless a port is asked for: the OS picks a free port the
-  store already owns, so no other program can take it in between.
+  rank 0's node agent), listening on the ranks' address only, on port 0 unless a port is
+  asked for: the OS picks a free port the store already owns, so no other program can take
+  it in between.
 - The **scratch folder** holds each rank's error file and collective counter, in memory
   (``/dev/shm``) where possible: a counter is written at every collective.
 - The **start gate**: ranks wait for EOF on it before any user code runs, and the starter
@@ -18,13 +20,19 @@ lifeline, and how long a dead rank's pipes are still read.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
+import socket
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
+from multiprocessing.connection import Connection
 from typing import Any
+
+from . import _collectives
+from ._protocol import COLLECTIVES_ENV
 
 #: How long ranks may take to reach the rendezvous store (the store's client timeout).
 STORE_TIMEOUT = 300.0
@@ -32,19 +40,52 @@ STORE_TIMEOUT = 300.0
 DRAIN_AFTER_EXIT = 1.0
 
 
-def host_store(address: str, port: int | None, world_size: int) -> Any:
-    """Host a run's rendezvous store (``torch.distributed.TCPStore``) on ``address``;
-    ``port=None``: a free one, read back from ``store.port``."""
+def host_store(address: str, port: int | None, world_size: int, only_there: bool = True) -> Any:
+    """Host a run's rendezvous store (``torch.distributed.TCPStore``) on ``address`` only;
+    ``port=None``: a free one, read back from ``store.port``.
+
+    Left to itself the store listens on every interface of the machine (``::``), and it
+    authenticates nobody: anyone who reaches it could join the ranks' rendezvous. It is
+    given a socket bound to ``address`` instead (``127.0.0.1`` for a launch on one machine,
+    the node's cluster address on a cluster), which torch's store accepts as
+    ``master_listen_fd``. An ``OSError`` if the port is taken or the address is not this
+    machine's. ``only_there=False`` (a launch placed by hand on several machines, whose
+    ``master_addr`` may be a host name this machine resolves to a loopback address, as
+    Debian's ``/etc/hosts`` does): every interface, as torchrun's store."""
     from torch.distributed import TCPStore
 
-    return TCPStore(
-        host_name=address,
-        port=port or 0,
-        world_size=world_size,
-        is_master=True,
-        timeout=timedelta(seconds=STORE_TIMEOUT),
-        wait_for_workers=False,
-    )
+    if not only_there:
+        return TCPStore(
+            host_name=address,
+            port=port or 0,
+            world_size=world_size,
+            is_master=True,
+            timeout=timedelta(seconds=STORE_TIMEOUT),
+            wait_for_workers=False,
+        )
+
+    family, kind, proto, _, where = socket.getaddrinfo(address, port or 0, type=socket.SOCK_STREAM)[
+        0
+    ]
+    listener = socket.socket(family, kind, proto)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's own does
+        listener.bind(where)
+        listener.listen(socket.SOMAXCONN)
+        store = TCPStore(
+            host_name=address,
+            port=listener.getsockname()[1],
+            world_size=world_size,
+            is_master=True,
+            timeout=timedelta(seconds=STORE_TIMEOUT),
+            wait_for_workers=False,
+            master_listen_fd=listener.fileno(),
+        )
+    except BaseException:
+        listener.close()
+        raise
+    listener.detach()  # the store's server owns the socket now and closes it when it stops
+    return store
 
 
 def scratch_folder(prefix: str) -> str:
@@ -52,6 +93,27 @@ def scratch_folder(prefix: str) -> str:
     shm = "/dev/shm"
     where = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
     return tempfile.mkdtemp(prefix=prefix, dir=where)
+
+
+def rank_files(folder: str, rank: int) -> dict[str, str]:
+    """Rank ``rank``'s files in a run's scratch folder, as the environment that names them:
+    its error file (where torch's ``@record`` writes a failing rank's error, as torchrun
+    sets one per rank) and its collective counter."""
+    own = os.path.join(folder, str(rank))
+    os.makedirs(own, exist_ok=True)
+    return {
+        "TORCHELASTIC_ERROR_FILE": os.path.join(own, "error.json"),
+        COLLECTIVES_ENV: _collectives.create(own, rank),
+    }
+
+
+def widen(conn: Connection, size: int = 1 << 20) -> None:
+    """A ``size``-byte pipe buffer where Linux allows it (the default is 64 kB): a large
+    value leaves a rank, and crosses into the kernel's pipe, in 1 MB writes."""
+    import fcntl
+
+    with contextlib.suppress(OSError, AttributeError):
+        fcntl.fcntl(conn.fileno(), fcntl.F_SETPIPE_SZ, size)
 
 
 class Gate:
