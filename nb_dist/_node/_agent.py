@@ -110,8 +110,11 @@ class NodeAgent:
         )
 
     def ready(self, within: float) -> bool:
-        """Whether the node's fork server is up (waiting up to ``within`` seconds): a warm
-        agent's first rank forks at once instead of waiting for torch's import."""
+        """Whether the node's fork server is up (waiting up to ``within`` seconds), with the
+        store's module imported here: a warm agent's first launch opens its store and forks
+        its ranks at once instead of waiting for torch's imports (a second each)."""
+        import torch.distributed  # noqa: F401 - what open_store imports, now
+
         if self._forkserver is not None:
             self._forkserver.join(within)
             return not self._forkserver.is_alive()
