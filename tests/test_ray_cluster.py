@@ -40,6 +40,12 @@ RAY_SETTLES_WITHIN = 20.0
 
 
 # ----------------------------------------------------------------------------- the cluster
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
 @pytest.fixture(scope="module")
 def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """A head and a worker node, one CPU each, Ray's files under the session's tmp path;
@@ -55,14 +61,19 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     os.environ["RAY_TMPDIR"] = str(root)  # where Ray writes the current cluster's address
     cluster = None
     try:
+        client_port = _free_port()
         cluster = Cluster(
             initialize_head=True,
             head_node_args={
                 "num_cpus": 1,
                 "include_dashboard": False,
                 "temp_dir": str(root / "ray"),
+                # Ray Client's server on the head (ray://), as KubeRay and hosted clusters
+                # offer it; needs ray[client] (the ray extra installs it).
+                "ray_client_server_port": client_port,
             },
         )
+        cluster.client_address = f"ray://127.0.0.1:{client_port}"
         cluster.add_node(num_cpus=1)
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, log_to_driver=False)
@@ -744,6 +755,83 @@ def test_agents_started_with_the_cluster_object_make_the_first_launch_warm(ray_c
         assert first_took < 5 * warm_took + 0.5, (first_took, warm_took)
     finally:
         ahead.close()
+    assert_cluster_clean()
+
+
+_THROUGH_RAY_CLIENT = """
+import os, signal, sys, threading, time
+import nb_dist
+
+def hello(x):
+    import nb_dist
+    print("hello from", nb_dist.rank(), flush=True)
+    return x + nb_dist.rank()
+
+def boom():
+    import time
+    import nb_dist
+    if nb_dist.rank() == 1:
+        raise ValueError("boom on rank 1")
+    time.sleep(60)
+
+def blocked(folder):
+    import os, time
+    import torch
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    open(os.path.join(folder, str(dist.get_rank())), "w").close()
+    if dist.get_rank() == 0:
+        time.sleep(600)
+    dist.all_reduce(torch.ones(1))
+
+cluster = nb_dist.RayCluster(sys.argv[1], placement="STRICT_SPREAD")
+print("VALUES", list(nb_dist.notebook_launcher(hello, (10,), num_processes=2, cluster=cluster)))
+try:
+    nb_dist.notebook_launcher(boom, num_processes=2, cluster=cluster)
+except nb_dist.WorkerFailedError as err:
+    print("FAILED", err.root_cause.rank, str(err).splitlines()[0])
+folder, main = sys.argv[2], threading.get_ident()
+
+def press():
+    while len(os.listdir(folder)) < 2:  # both ranks in the process group: a handshake
+        time.sleep(0.02)
+    pressed.append(time.monotonic())
+    signal.pthread_kill(main, signal.SIGINT)
+
+pressed = []
+threading.Thread(target=press, daemon=True).start()
+try:
+    nb_dist.notebook_launcher(blocked, (folder,), num_processes=2, cluster=cluster)
+except KeyboardInterrupt:
+    print("STOPPED", round(time.monotonic() - pressed[0], 3))
+print("AFTER", list(nb_dist.notebook_launcher(hello, (20,), num_processes=2, cluster=cluster)))
+ranks = nb_dist.Ranks(num_processes=2, cluster=cluster)
+print("LIVE", list(ranks.run(hello, 1)))
+ranks.close()
+cluster.close()
+print("DONE")
+"""
+
+
+def test_through_ray_client_launches_fail_stop_and_live_ranks_work(ray_cluster, cluster, tmp_path):
+    """A laptop reaching a cluster through Ray Client (ray://HOST:10001): a launch with its
+    output, a failure's root cause, ■ with a rank in a collective, a launch after it, and
+    live ranks, from a driver of its own (this process is a driver already)."""
+    cluster.close()  # the client's launches need both CPUs
+    folder = tmp_path / "ranks"
+    folder.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-c", _THROUGH_RAY_CLIENT, ray_cluster.client_address, str(folder)],
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    out = done.stdout
+    assert done.returncode == 0, (out, done.stderr[-3000:])
+    assert "[rank 0] hello from 0" in out and "[rank 1] hello from 1" in out, out
+    assert "VALUES [10, 11]" in out and "AFTER [20, 21]" in out and "LIVE [1, 2]" in out, out
+    assert "FAILED 1 rank 1 failed first: ValueError: boom on rank 1" in out, out
+    stopped = float(out.split("STOPPED ")[1].split()[0])
+    assert stopped < 5 * 2.0, out  # the promise on a cluster: every rank stopped within 2 s
+    assert out.rstrip().endswith("DONE"), out
     assert_cluster_clean()
 
 
