@@ -333,7 +333,7 @@ def test_a_rank_still_busy_with_an_earlier_cell_is_interrupted_before_the_next(r
     longer waits for. The next cell first interrupts it, so no reply is misattributed."""
     from nb_dist._shared import _protocol
 
-    busy = ranks._held.supervisor.workers[1]
+    busy = ranks._held.supervisor.ranks[1]
     busy.tasks_sent += 1
     busy.send(_protocol.Execute(0, "import time\ntime.sleep(60)", "<left running>"))
     assert ranks.exec("dist.get_rank()") == [0, 1]
@@ -379,7 +379,7 @@ def test_closing_one_session_reaches_its_ranks_while_another_is_open():
     first = Ranks(2)
     second = Ranks(2)
     try:
-        ranks_of_first = first._held.supervisor.workers
+        ranks_of_first = first._held.supervisor.ranks
         first.close()
         assert [w.returncode for w in ranks_of_first] == [0, 0]
         assert second.exec("1") == [1, 1]

@@ -476,7 +476,7 @@ def test_live_ranks_across_nodes_keep_their_state(cluster, capsys, tmp_path):
         assert "dist.all_reduce(t)" in (tmp_path / "train.py").read_text()
         supervisor = ranks._held.supervisor
         assert supervisor is not None
-        pids = [w.outcome.pid for w in supervisor.workers]
+        pids = [w.outcome.pid for w in supervisor.ranks]
     assert_cluster_clean_of_ranks(pids)
 
 

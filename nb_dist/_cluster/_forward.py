@@ -1,5 +1,5 @@
 """Remote ranks as local ones: their pipe bytes forwarded into local pipes, their process
-behind the kernel's ``WorkerProcess`` interface.
+behind the kernel's ``RankProcess`` interface.
 
 Runs in the kernel. For each rank the kernel makes its usual pipes (``Rank.open_pipes``); the
 ends a local worker would hold stay here. :class:`Forwarder` long-polls every node agent
@@ -240,7 +240,7 @@ class AgentLink:
 
 
 class RemoteProcess:
-    """A rank on another node, behind the kernel's ``WorkerProcess`` interface."""
+    """A rank on another node, behind the kernel's ``RankProcess`` interface."""
 
     def __init__(self, link: AgentLink, position: int, pid: int, on_lost: OnLost) -> None:
         self.pid = pid

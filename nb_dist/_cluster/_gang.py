@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
-from .._rank._spec import WorkerSpec
+from .._rank._spec import RankSpec
 from .._shared import _clock
 from . import _placement
 from ._connect import ClusterError
@@ -180,7 +180,7 @@ class Gang:
     def start(
         self,
         method: str,
-        specs: Sequence[WorkerSpec],
+        specs: Sequence[RankSpec],
         theirs: Sequence[dict[str, Connection]],
         mirrors: Sequence[str | None],
         on_lost: Callable[[int], OnLost],

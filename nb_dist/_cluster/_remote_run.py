@@ -217,17 +217,17 @@ class ClusterHost:
         return any(link.lost is not None for link in links)
 
     def start(self, supervisor: Supervisor) -> Connection | None:
-        plan, lay, workers = supervisor.config, self._gang.layout, supervisor.workers
+        plan, lay, workers = supervisor.config, self._gang.layout, supervisor.ranks
         specs = [
             dataclasses.replace(
-                plan.worker_spec(r, supervisor.worker_env[r], []), local_rank=lay.local_rank[r]
+                plan.rank_spec(r, supervisor.rank_envs[r], []), local_rank=lay.local_rank[r]
             )
             for r in range(plan.nprocs)
         ]
         theirs = [worker.open_pipes() for worker in workers]
         for ends in theirs:
             widen(ends["control"])  # a large value crosses the kernel's pipe in 1 MB writes
-        mirrors = [env.get(COLLECTIVES_ENV) for env in supervisor.worker_env]
+        mirrors = [env.get(COLLECTIVES_ENV) for env in supervisor.rank_envs]
         try:
             self._forwarder, processes = self._gang.start(
                 plan.start_method, specs, theirs, mirrors,

@@ -19,14 +19,14 @@ import logging
 import os
 import sys
 
-from .._shared._env import WORKER_ENV_FLAG
+from .._shared._env import RANK_ENV_FLAG
 
 
 def prepare() -> None:
     # What users need not see goes to the "nb_dist" logger: silent unless they configure it.
     logging.getLogger("nb_dist").addHandler(logging.NullHandler())
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
-    if WORKER_ENV_FLAG in os.environ:
+    if RANK_ENV_FLAG in os.environ:
         return  # a rank: nothing of the kernel's
     from . import _cuda_touches
 

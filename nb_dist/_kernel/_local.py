@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from multiprocessing.connection import Connection
 
-from .._rank._spec import WorkerSpec
+from .._rank._spec import RankSpec
 from . import _openmp, _plan, _ports, _start, _warm
 from ._attempt import AttemptSetup
 from ._options import LaunchOptions
@@ -35,13 +35,13 @@ class LocalHost:
         if plan.start_method == "fork" and self._restart:
             _openmp.release_pool()  # a restart forks again, and the kernel may have a pool again
 
-        def spec_for(index: int, kernel_fds: list[int]) -> WorkerSpec:
-            return plan.worker_spec(index, supervisor.worker_env[index], kernel_fds)
+        def spec_for(index: int, kernel_fds: list[int]) -> RankSpec:
+            return plan.rank_spec(index, supervisor.rank_envs[index], kernel_fds)
 
-        lifeline = _start.start_all(plan.start_method, supervisor.workers, spec_for)
+        lifeline = _start.start_all(plan.start_method, supervisor.ranks, spec_for)
         # Who may hold a port later: a busy port held by one of these is named as ours.
-        pids = (w.outcome.pid for w in supervisor.workers if w.outcome.pid)
-        _ports.started_worker_pids.update(pids)
+        pids = (w.outcome.pid for w in supervisor.ranks if w.outcome.pid)
+        _ports.started_rank_pids.update(pids)
         return lifeline
 
     def close(self) -> None:

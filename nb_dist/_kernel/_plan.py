@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .._rank._spec import WorkerSpec
+from .._rank._spec import RankSpec
 from .._shared import _shipping
 from .._shared._precision import normalize_mixed_precision
 from . import _openmp, _preflight, _warm
@@ -87,10 +87,10 @@ class LaunchPlan:
     def backend(self) -> str:
         return "nccl" if self.use_gpu else "gloo"
 
-    def worker_spec(self, local_rank: int, env: dict[str, str], close_fds: list[int]) -> WorkerSpec:
+    def rank_spec(self, local_rank: int, env: dict[str, str], close_fds: list[int]) -> RankSpec:
         """What one worker is told: its rank, environment, and the function (or its bytes)."""
         shipped = self.payload is not None
-        return WorkerSpec(
+        return RankSpec(
             rank=self.ranks[local_rank],
             local_rank=local_rank,
             env=env,

@@ -18,7 +18,7 @@ from ._errors import UnsafeLaunchError
 # Ports of launches from this kernel that are running now (a second launch from a thread).
 _ports_in_use_here: set[int] = set()
 # Pids of every worker this kernel started, to recognise leftovers of an earlier launch.
-started_worker_pids: set[int] = set()
+started_rank_pids: set[int] = set()
 
 
 def open_store(master_addr: str, port: int | None, world_size: int, only_there: bool) -> Any:
@@ -80,7 +80,7 @@ def _describe_owner(port: int) -> str:
                 name = psutil.Process(conn.pid).name()
             except psutil.Error:
                 name = "unknown"
-            if conn.pid in started_worker_pids:
+            if conn.pid in started_rank_pids:
                 return (
                     f" by process {conn.pid} ({name}), a worker left over from an earlier "
                     "launch from this kernel"

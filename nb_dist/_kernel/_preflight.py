@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._shared import _torch_compat
-from .._shared._env import WORKER_ENV_FLAG
+from .._shared._env import RANK_ENV_FLAG
 from . import _cuda_touches
 from ._errors import UnsafeLaunchError
 from ._processes import REAP_WITHIN, process_state, reap_within
@@ -113,7 +113,7 @@ def check_seconds(name: str, value: object, default: float | None = None) -> flo
 
 # ------------------------------------------------------------------ kernel state
 def check_not_nested() -> None:
-    rank = os.environ.get(WORKER_ENV_FLAG)
+    rank = os.environ.get(RANK_ENV_FLAG)
     if rank is not None:
         raise UnsafeLaunchError(
             f"notebook_launcher was called from inside a launched worker (rank {rank}). A "

@@ -1,7 +1,7 @@
 """Process kinds: how a worker is started, watched, signalled and reaped, behind one interface.
 
 The supervisor never asks how a worker was started. Each start method is a class with the
-same four operations (:class:`WorkerProcess`); :func:`start` picks one:
+same four operations (:class:`RankProcess`); :func:`start` picks one:
 
 - ``fork``: ``os.fork`` of the kernel (cell-defined functions, the kernel's modules and data
   are simply there). The kernel is the parent: it reaps with ``waitpid``.
@@ -31,11 +31,11 @@ from multiprocessing.context import BaseContext
 from typing import Any, Protocol
 
 from .._rank._entry import forkserver_main, run_worker
-from .._rank._spec import WorkerChannels, WorkerSpec
+from .._rank._spec import RankChannels, RankSpec
 from .._shared._frames import PACKAGE_DIR
 
 
-class WorkerProcess(Protocol):
+class RankProcess(Protocol):
     """One started worker, whatever started it."""
 
     pid: int
@@ -71,8 +71,8 @@ class WorkerProcess(Protocol):
 
 
 def start(
-    method: str, spec: WorkerSpec, channels: WorkerChannels, context: BaseContext | None
-) -> WorkerProcess:
+    method: str, spec: RankSpec, channels: RankChannels, context: BaseContext | None
+) -> RankProcess:
     """Start one worker with ``method`` (``"fork"``, ``"spawn"`` or ``"forkserver"``)."""
     if method == "fork":
         return _Forked(_fork(spec, channels))
@@ -294,7 +294,7 @@ def report_unreaped(pid: int, waited: float) -> str:
 
 
 # ------------------------------------------------------------------ starting
-def _fork(spec: WorkerSpec, channels: WorkerChannels) -> int:
+def _fork(spec: RankSpec, channels: RankChannels) -> int:
     """Fork one worker. The child never returns from here."""
     # Block SIGINT across the fork: a KeyboardInterrupt raised in the child before it reaches
     # run_worker would unwind a copy of the kernel through the cell's code.
@@ -329,7 +329,7 @@ def _fork(spec: WorkerSpec, channels: WorkerChannels) -> int:
     return pid
 
 
-def _spawn(spec: WorkerSpec, channels: WorkerChannels) -> subprocess.Popen[bytes]:
+def _spawn(spec: RankSpec, channels: RankChannels) -> subprocess.Popen[bytes]:
     """Start a fresh interpreter for one worker (no re-import of the caller's __main__)."""
     fds = channels.named_fds()
     env = dict(os.environ)

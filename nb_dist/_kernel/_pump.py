@@ -53,7 +53,7 @@ LAUNCH = Policy()
 class Run:
     """One run's ranks, where their output goes, and what it has collected and noticed."""
 
-    workers: list[Rank]
+    ranks: list[Rank]
     router: OutputRouter
     observer: Observer | None
     reports: Reports = field(default_factory=Reports)

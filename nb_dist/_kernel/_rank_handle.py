@@ -19,7 +19,7 @@ from .._shared._reporting import ReportEntry, Reports
 from ._diagnosis import Frame, RendezvousView, StuckRank, ended_without_value
 from ._errors import RankOutcome, RankStatus
 from ._output import LineSplitter, OutputRouter
-from ._processes import WorkerProcess, signal_name
+from ._processes import RankProcess, signal_name
 from ._tracebacks import format_frames, parse_fault_dump, relabel_cells
 
 FINAL: tuple[RankStatus, ...] = ("ok", "failed", "collateral", "stopped")
@@ -45,7 +45,7 @@ class Rank:
         #: Its ``LOCAL_RANK`` (on a cluster: on its node), as its outcome reports it.
         self.local_rank = index if local_rank is None else local_rank
         self.outcome = RankOutcome(rank=rank, local_rank=self.local_rank, status="starting")
-        self.process: WorkerProcess | None = None
+        self.process: RankProcess | None = None
         self.pipes: dict[str, Connection] = {}
         self.commands: Connection | None = None  # kernel → worker
         self.control: _protocol.ControlReader | None = None  # reads pipes["control"]
@@ -87,7 +87,7 @@ class Rank:
 
     def request_stop(self) -> None:
         """The kernel is stopping this rank: its end is not a failure of its own, unless its
-        process had ended before the stop reached it (``WorkerProcess.ended_unasked``)."""
+        process had ended before the stop reached it (``RankProcess.ended_unasked``)."""
         self.stop_requested = True
 
     @property

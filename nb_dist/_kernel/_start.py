@@ -17,13 +17,13 @@ import weakref
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
-from .._rank._spec import WorkerChannels, WorkerSpec
+from .._rank._spec import RankChannels, RankSpec
 from .._shared._starting import gated_start
 from . import _processes
 from ._rank_handle import Rank
 
 #: Builds one rank's spec from its local rank and the kernel-side fds it must close.
-SpecFor = Callable[[int, list[int]], WorkerSpec]
+SpecFor = Callable[[int, list[int]], RankSpec]
 
 #: Pipe ends the kernel holds for ranks that may outlive their start (live ranks, a rank kept
 #: for a post-mortem). A rank forked later closes them too: a copy in another process would
@@ -54,7 +54,7 @@ def start_all(method: str, ranks: list[Rank], spec_for: SpecFor) -> Connection:
         kernel_ends = [*gate.starter_fds(), *_other_kernel_ends()]
         for rank in ranks:
             writers = rank.open_pipes()
-            channels = WorkerChannels(**writers, lifeline=gate.lifeline_end, gate=gate.gate_end)
+            channels = RankChannels(**writers, lifeline=gate.lifeline_end, gate=gate.gate_end)
             kernel_fds = [c.fileno() for r in ranks for c in r.kernel_ends()] + kernel_ends
             try:
                 process = _processes.start(

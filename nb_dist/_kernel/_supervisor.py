@@ -86,14 +86,14 @@ class Supervisor:
     The loop's public surface, for an owner that drives it run by run (a live session):
     ``start_and_watch``, ``watch``, ``read``, ``read_until``, ``poll_processes``,
     ``set_status``, ``stacks``, ``stuck_views``, ``counter_file``, ``stop_all``, ``result``,
-    ``logs``, ``with_reports`` and ``close``; its state: ``config``, ``host``, ``workers``,
+    ``logs``, ``with_reports`` and ``close``; its state: ``config``, ``host``, ``ranks``,
     ``held`` and ``current`` (the run now going on, which such an owner replaces per task).
     """
 
     def __init__(
         self,
         plan: LaunchPlan,
-        worker_env: list[dict[str, str]],
+        rank_envs: list[dict[str, str]],
         router: OutputRouter,
         observer: Observer | None,
         host: RankHost,
@@ -101,17 +101,17 @@ class Supervisor:
         policy: Policy = LAUNCH,
     ) -> None:
         self.config = plan
-        self.worker_env = worker_env
+        self.rank_envs = rank_envs
         #: Where the ranks run (this machine unless a cluster's host is given).
         self.host = host
-        self.workers = [
+        self.ranks = [
             Rank(i, r, int(env["LOCAL_RANK"]) if "LOCAL_RANK" in env else None)
-            for i, (r, env) in enumerate(zip(plan.ranks, worker_env, strict=True))
+            for i, (r, env) in enumerate(zip(plan.ranks, rank_envs, strict=True))
         ]
         #: The run now going on: its ranks, output, reports and watchdog marks (``_pump.py``),
         #: under ``policy``. A launch has one; a live session (``_live/_session.py``), which
         #: holds this loop, gives it a fresh run for each task.
-        self.current = Run(self.workers, router, observer, policy=policy)
+        self.current = Run(self.ranks, router, observer, policy=policy)
         self._pump = Pump()
         self._lifeline: Connection | None = None  # its EOF tells the workers the kernel died
         #: The failed rank kept for a post-mortem (``debug="postmortem"``), if any.
@@ -150,7 +150,7 @@ class Supervisor:
             self._drain_and_reap()
             raise
         finally:
-            for worker in self.current.workers:  # last line of defence (a second interrupt)
+            for worker in self.current.ranks:  # last line of defence (a second interrupt)
                 if worker.alive and worker.process is not None and worker is not self.held:
                     worker.returncode = worker.process.kill_and_reap()
             self.close()
@@ -174,20 +174,20 @@ class Supervisor:
         try:
             self._lifeline = self.host.start(self)
         finally:
-            for worker in self.workers:
+            for worker in self.ranks:
                 self._pump.add(worker)
 
     # ----------------------------------------------------------------- watch
     def watch(self, deadline: float | None) -> bool:
         """Pump events until every worker has ended. Returns True if the deadline passed."""
         run = self.current
-        while not all(w.finished for w in run.workers):
+        while not all(w.finished for w in run.ranks):
             now = time.monotonic()
-            if _watchdogs.late(deadline, run.paused_for, now) and any(w.alive for w in run.workers):
+            if _watchdogs.late(deadline, run.paused_for, now) and any(w.alive for w in run.ranks):
                 return True
             # A rank whose pipes closed is exiting and no event will wake the select: reap it
             # within milliseconds, not a whole poll interval (~0.1 s per launch).
-            exiting = any(w.alive and w.control_closed_at is not None for w in run.workers)
+            exiting = any(w.alive and w.control_closed_at is not None for w in run.ranks)
             wait = _watchdogs.next_wait(
                 self.config.poll_interval, exiting, deadline, run.paused_for, now
             )
@@ -235,7 +235,7 @@ class Supervisor:
         if status is not None:
             self.set_status(worker, status)
         if isinstance(message, _protocol.Rendezvous) and all(
-            w.rendezvous.done for w in self.current.workers
+            w.rendezvous.done for w in self.current.ranks
         ):
             # Decided as the last "done" arrives: a later init_process_group in the function
             # (after destroy_process_group) is not timed from this one's start.
@@ -244,7 +244,7 @@ class Supervisor:
     def _answer_debuggers(self) -> None:
         """A rank stopped in pdb (``nb_dist.breakpoint``): its prompts are answered from the
         cell, here, before anything else (the others wait in their collectives meanwhile)."""
-        for worker in self.current.workers:
+        for worker in self.current.ranks:
             if worker is self.held or not (worker.debugging or worker.prompt is not None):
                 continue
             if worker.failure is not None and not self.current.policy.answers_post_mortems:
@@ -268,7 +268,7 @@ class Supervisor:
     def poll_processes(self) -> None:
         """Notice the current run's ranks that ended (a rank never started is ``stopped``)."""
         now = time.monotonic()
-        for worker in self.current.workers:
+        for worker in self.current.ranks:
             if worker.process is None:  # never started (the start of an earlier rank failed)
                 if not worker.finished:
                     self.set_status(worker, "stopped")
@@ -285,7 +285,7 @@ class Supervisor:
 
     def _flush_stale_partials(self) -> None:
         now = time.monotonic()
-        for worker in self.current.workers:
+        for worker in self.current.ranks:
             for kind, splitter in worker.splitters.items():
                 since = splitter.pending_since
                 if since is not None and now - since > PARTIAL_LINE_AFTER:
@@ -297,7 +297,7 @@ class Supervisor:
             return
         if self.current.failure_seen:
             return
-        for worker in self.current.workers:
+        for worker in self.current.ranks:
             failed_exit = not worker.alive and worker.returncode not in (None, 0)
             if (
                 worker.failure is not None
@@ -321,8 +321,8 @@ class Supervisor:
         waited = _watchdogs.straggler_wait(self.current.first_finish, limit, time.monotonic())
         if waited is None:
             return
-        finished = [w.outcome.rank for w in self.current.workers if w.outcome.status == "ok"]
-        for worker in self.current.workers:
+        finished = [w.outcome.rank for w in self.current.ranks if w.outcome.status == "ok"]
+        for worker in self.current.ranks:
             noticed = worker.index in self.current.hang_noticed
             if worker.finished or not worker.alive or noticed:
                 continue
@@ -341,12 +341,12 @@ class Supervisor:
     def _check_rendezvous(self) -> None:
         """Stop a rendezvous that has not completed ``rendezvous_timeout`` s after it began."""
         limit = self.config.rendezvous_timeout
-        entered = [w.rendezvous.entered_at for w in self.current.workers if w.rendezvous.entered_at]
+        entered = [w.rendezvous.entered_at for w in self.current.ranks if w.rendezvous.entered_at]
         if limit is None or not entered or self.current.rdzv_complete:
             return
         if self.current.failure_seen:
             return  # a rank failed: the failure report explains, not the rendezvous
-        if all(w.rendezvous.done for w in self.current.workers):
+        if all(w.rendezvous.done for w in self.current.ranks):
             self.current.rdzv_complete = True
         elif _watchdogs.rendezvous_overdue(entered, limit, time.monotonic()):
             assert limit is not None
@@ -372,7 +372,7 @@ class Supervisor:
     # ----------------------------------------------------------------- stop
     def stop_all(self) -> None:
         """SIGTERM every live worker's process group, then SIGKILL what is left after a grace."""
-        live = [w for w in self.current.workers if w.alive and w is not self.held]
+        live = [w for w in self.current.ranks if w.alive and w is not self.held]
         for worker in live:
             worker.request_stop()
             assert worker.process is not None
@@ -383,7 +383,7 @@ class Supervisor:
                 worker.process.send_signal(signal.SIGKILL)
 
     def _drain_and_reap(self) -> None:
-        workers = self.current.workers
+        workers = self.current.ranks
         if not self.read_until(
             lambda: all(w.finished for w in workers), DRAIN_AFTER_EXIT + STOP_GRACE
         ):
@@ -401,7 +401,7 @@ class Supervisor:
     def close(self) -> None:
         """Stop reading and close the kernel's pipe ends (a held rank's stay open), then the
         lifeline and the host, unless a held rank's post-mortem ends them later."""
-        for worker in self.workers:
+        for worker in self.ranks:
             for conn in worker.pipes.values():
                 self._pump.remove(conn)
                 if worker is not self.held:
@@ -419,16 +419,16 @@ class Supervisor:
     def result(self) -> AttemptResult:
         """The current run's values, or raise its root cause (a post-mortem attached if a
         failed rank is held at its prompt)."""
-        outcomes = [w.outcome for w in self.current.workers]
+        outcomes = [w.outcome for w in self.current.ranks]
         if all(o.status == "ok" for o in outcomes):
             return AttemptResult(
-                values=[w.value for w in self.current.workers],
+                values=[w.value for w in self.current.ranks],
                 reports=self.current.reports,
                 outcomes=outcomes,
                 durations=[o.duration for o in outcomes],
             )
         root, collateral = _diagnosis.root_cause(outcomes)
-        for worker in self.current.workers:
+        for worker in self.current.ranks:
             if worker.outcome in collateral:
                 self.set_status(worker, "collateral")
         logs = self.logs()
@@ -458,7 +458,7 @@ class Supervisor:
         """Every rank for a timeout report: where the live ones were, their collectives."""
         return [
             w.stuck_view(w in live, frames.get(w.index), self.counter_file(w))
-            for w in self.current.workers
+            for w in self.current.ranks
         ]
 
     def _held_at_its_prompt(self) -> Rank | None:
@@ -479,7 +479,7 @@ class Supervisor:
 
     def _stop_with_stacks(self) -> tuple[list[Rank], dict[int, list[_diagnosis.Frame]]]:
         """Take the stacks of the live ranks, then stop everything: (who was live, stacks)."""
-        live = [w for w in self.current.workers if w.alive]
+        live = [w for w in self.current.ranks if w.alive]
         frames = self.stacks(live)
         self.stop_all()
         self._drain_and_reap()
@@ -490,27 +490,25 @@ class Supervisor:
         views = self.stuck_views(live, frames)
         timeout = self.config.timeout or 0.0
         text, stacks = _diagnosis.timeout_report(timeout, views)
-        outcomes = [w.outcome for w in self.current.workers]
+        outcomes = [w.outcome for w in self.current.ranks]
         return self.with_reports(LaunchTimeoutError(text, timeout, stacks, outcomes, self.logs()))
 
     def _rendezvous_error(self, limit: float) -> RendezvousTimeoutError:
         live, frames = self._stop_with_stacks()
         now = time.monotonic()
-        views = [
-            w.rendezvous_view(now, w in live, frames.get(w.index)) for w in self.current.workers
-        ]
-        text, stacks = _diagnosis.rendezvous_report(limit, len(self.current.workers), views)
-        outcomes = [w.outcome for w in self.current.workers]
+        views = [w.rendezvous_view(now, w in live, frames.get(w.index)) for w in self.current.ranks]
+        text, stacks = _diagnosis.rendezvous_report(limit, len(self.current.ranks), views)
+        outcomes = [w.outcome for w in self.current.ranks]
         error = RendezvousTimeoutError(text, limit, stacks, outcomes, self.logs())
         return self.with_reports(error)
 
     def counter_file(self, worker: Rank) -> str | None:
         """The rank's collective counter file (``_collectives.py``), if it has one."""
-        return self.worker_env[worker.index].get(COLLECTIVES_ENV)
+        return self.rank_envs[worker.index].get(COLLECTIVES_ENV)
 
     def logs(self) -> list[str]:
         """The current run's log text, one per rank, for an error."""
-        return [self.current.router.log_text(w.index) for w in self.current.workers]
+        return [self.current.router.log_text(w.index) for w in self.current.ranks]
 
     def with_reports(self, error: _Error) -> _Error:
         """``error`` carrying the current run's reports."""

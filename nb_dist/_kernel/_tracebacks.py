@@ -146,7 +146,7 @@ def parse_fault_dump(dump: str, thread_ident: int | None) -> list[tuple[str, int
     return list(reversed(chosen))
 
 
-def worker_frames(frames: list[tuple[str, int, str]]) -> list[tuple[str, int, str]]:
+def rank_frames(frames: list[tuple[str, int, str]]) -> list[tuple[str, int, str]]:
     """Drop the frames below the worker's entry point (most recent last).
 
     A forked worker's stack still holds the frames of whatever called the launcher in the
@@ -159,7 +159,7 @@ def worker_frames(frames: list[tuple[str, int, str]]) -> list[tuple[str, int, st
 def format_frames(frames: list[tuple[str, int, str]]) -> str:
     """Format frames like a Python traceback body, with cell labels and source lines."""
     lines = []
-    for filename, lineno, name in worker_frames(frames):
+    for filename, lineno, name in rank_frames(frames):
         if is_own(filename):
             continue
         label = cell_label(filename)
@@ -178,7 +178,7 @@ def innermost_user_frame(frames: list[tuple[str, int, str]]) -> str | None:
     code that led there, so report the innermost frame whose file is not in a library.
     """
     library_markers = (os.sep + "site-packages" + os.sep, os.sep + "lib" + os.sep + "python")
-    for filename, lineno, name in reversed(worker_frames(frames)):
+    for filename, lineno, name in reversed(rank_frames(frames)):
         if any(m in filename for m in library_markers) or filename.startswith("<frozen"):
             continue
         if is_own(filename):

@@ -158,7 +158,7 @@ class Ranks:
 
     @staticmethod
     def pids_of(supervisor: SessionSupervisor) -> list[int]:
-        return [w.outcome.pid for w in supervisor.workers if w.outcome.pid]
+        return [w.outcome.pid for w in supervisor.ranks if w.outcome.pid]
 
     def _router(self) -> OutputRouter:
         plan = self.plan

@@ -120,33 +120,31 @@ class SessionSupervisor:
         if self._closed:
             return
         self._closed = True
-        for worker in self.workers:
+        for worker in self.ranks:
             if worker.commands is not None and not worker.commands.closed:
                 worker.commands.close()  # EOF: the rank's loop ends
-        self.loop.current = Run(
-            self.workers, self.loop.current.router, None, self._reports, _BETWEEN
-        )
-        self.loop.read_until(lambda: not any(w.alive for w in self.workers), CLOSE_GRACE)
-        for worker in self.workers:
+        self.loop.current = Run(self.ranks, self.loop.current.router, None, self._reports, _BETWEEN)
+        self.loop.read_until(lambda: not any(w.alive for w in self.ranks), CLOSE_GRACE)
+        for worker in self.ranks:
             if worker.alive and worker.process is not None:
                 worker.request_stop()
                 worker.returncode = worker.process.kill_and_reap()
         self.loop.close()
 
     @property
-    def workers(self) -> list[Rank]:
+    def ranks(self) -> list[Rank]:
         """Every rank of the session (its loop's), in local order."""
-        return self.loop.workers
+        return self.loop.ranks
 
     @property
     def alive(self) -> bool:
-        return self.lost is None and all(w.alive for w in self.workers)
+        return self.lost is None and all(w.alive for w in self.ranks)
 
     # ----------------------------------------------------------------- one task
     def check_ready(self) -> str | None:
         """Before a task: ``None``, or a notice that the ranks' collective counts differ."""
         self.loop.poll_processes()
-        dead = [w for w in self.workers if not w.alive]
+        dead = [w for w in self.ranks if not w.alive]
         if dead:
             code = dead[0].returncode
             name = signal_name(-code) if code is not None and code < 0 else None
@@ -154,7 +152,7 @@ class SessionSupervisor:
             self.lost = Lost(f"rank {dead[0].outcome.rank} ended between cells: {how}", True)
             self.close()
             return None
-        busy = [w for w in self.workers if not _idle(w)]
+        busy = [w for w in self.ranks if not _idle(w)]
         if busy:  # a cell left running (a second interrupt cut its ending short)
             stuck = self._settle(busy)
             if stuck:
@@ -165,7 +163,7 @@ class SessionSupervisor:
                 )  # fmt: skip
                 self.close()
                 return None
-        counts = {w.outcome.rank: w.collectives for w in self.workers}
+        counts = {w.outcome.rank: w.collectives for w in self.ranks}
         if len(set(counts.values())) > 1:
             listed = ", ".join(f"rank {r}: {n}" for r, n in counts.items())
             return (
@@ -193,12 +191,12 @@ class SessionSupervisor:
             watch=self._check_skipped_collective,
         )
         self.loop.current = Run(
-            [self.workers[i] for i in local_ranks], router, observer, self._reports, policy
+            [self.ranks[i] for i in local_ranks], router, observer, self._reports, policy
         )
         self.task_count += 1
         self._freed = ""
         try:
-            for worker in self.loop.current.workers:
+            for worker in self.loop.current.ranks:
                 worker.begin_task()
                 self.loop.set_status(worker, "running")
                 worker.tasks_sent += 1
@@ -211,13 +209,13 @@ class SessionSupervisor:
             if timed_out:
                 raise self._task_timeout(timeout or 0.0)
             self.loop.read(0.0)  # output written just before the last Idle
-            for worker in self.loop.current.workers:
+            for worker in self.loop.current.ranks:
                 for kind, splitter in worker.splitters.items():
                     router.lines(worker.index, kind, splitter.flush())
             return self.loop.result()
         finally:
             # Between tasks the session watches every rank, and nobody observes it.
-            self.loop.current = Run(self.workers, router, None, self._reports, _BETWEEN)
+            self.loop.current = Run(self.ranks, router, None, self._reports, _BETWEEN)
             router.finish()
             if self.lost is not None:
                 self.close()
@@ -232,7 +230,7 @@ class SessionSupervisor:
     def _on_task_failure(self) -> None:
         """A task's policy: a dead rank ends the session; a failed one gets the others
         interrupted, and a rank no interrupt reaches ends the session."""
-        dead = [w for w in self.loop.current.workers if not w.alive and not w.stop_requested]
+        dead = [w for w in self.loop.current.ranks if not w.alive and not w.stop_requested]
         if dead and self.lost is None:
             who = dead[0]
             self.lost = Lost(
@@ -243,14 +241,14 @@ class SessionSupervisor:
             self.loop.current.failure_seen = True
             self.loop.stop_all()
             return
-        failed = any(w.failure is not None for w in self.loop.current.workers)
+        failed = any(w.failure is not None for w in self.loop.current.ranks)
         if not failed or self.lost is not None:
             return
         now = time.monotonic()
         if self.loop.current.failed_at is None:
             self.loop.current.failed_at = now
         # The failed rank itself is finishing (its Idle, or its post-mortem) on its own.
-        running = [w for w in self.loop.current.workers if not w.finished and w.failure is None]
+        running = [w for w in self.loop.current.ranks if not w.finished and w.failure is None]
         phase = _watchdogs.after_failure(self.loop.current.failed_at, now)
         if running and phase == "interrupt":
             self._interrupt(running)
@@ -288,12 +286,12 @@ class SessionSupervisor:
         dropped: set[int] = set()
         deadline = time.monotonic() + RELEASE_LIMIT
         while True:
-            if not all(w.alive for w in self.workers):
+            if not all(w.alive for w in self.ranks):
                 return False
-            waiting = [w for w in self.workers if not _idle(w)]
+            waiting = [w for w in self.ranks if not _idle(w)]
             if not waiting:
                 break
-            fresh = [w for w in self.workers if _idle(w) and w.index not in dropped]
+            fresh = [w for w in self.ranks if _idle(w) and w.index not in dropped]
             if not fresh or time.monotonic() >= deadline:
                 return False
             dropped.update(w.index for w in fresh)
@@ -305,10 +303,10 @@ class SessionSupervisor:
             )
         self._generation += 1
         failed = self._call(
-            list(self.workers), _regroup.regroup, self._generation, REGROUP_LIMIT,
+            list(self.ranks), _regroup.regroup, self._generation, REGROUP_LIMIT,
             limit=REGROUP_LIMIT + 5.0,
         )  # fmt: skip
-        return not failed and all(w.alive for w in self.workers)
+        return not failed and all(w.alive for w in self.ranks)
 
     def _rank_endpoints(self) -> list[tuple[str, int]]:
         """Every rank's TCP socket addresses: read where the ranks run (on a cluster, by each
@@ -316,7 +314,7 @@ class SessionSupervisor:
         found = self.loop.host.endpoints()
         if found is not None:
             return found
-        pids = [w.process.pid for w in self.workers if w.process is not None]
+        pids = [w.process.pid for w in self.ranks if w.process is not None]
         return _regroup.endpoints(pids)
 
     def _free_or_stop(self, stuck: list[Rank], freed: str, lost: str) -> bool:
@@ -333,17 +331,17 @@ class SessionSupervisor:
             self._give_up(lost)
         return released
 
-    def _call(self, workers: list[Rank], function: Callable[..., object], *args: object,
+    def _call(self, ranks: list[Rank], function: Callable[..., object], *args: object,
               limit: float) -> list[Rank]:  # fmt: skip
-        """Run ``function(*args)`` on the idle ``workers``, outside any cell; those where it
+        """Run ``function(*args)`` on the idle ``ranks``, outside any cell; those where it
         did not end well within ``limit`` s."""
         payload = _shipping.dumps((function, args, {}))
-        failures = {w.index: w.failure for w in workers}
-        for worker in workers:
+        failures = {w.index: w.failure for w in ranks}
+        for worker in ranks:
             worker.tasks_sent += 1
             worker.send(_protocol.Call(0, payload))
-        self.loop.read_until(lambda: all(_idle(w) for w in workers), limit)
-        return [w for w in workers if not _idle(w) or w.failure is not failures[w.index]]
+        self.loop.read_until(lambda: all(_idle(w) for w in ranks), limit)
+        return [w for w in ranks if not _idle(w) or w.failure is not failures[w.index]]
 
     def _check_skipped_collective(self) -> None:
         """End the cell when the counts prove a deadlock (``_diagnosis.skipped_collective``)
@@ -351,12 +349,12 @@ class SessionSupervisor:
         run = self.loop.current
         if self.lost is not None or run.failure_seen or run.failed_at is not None:
             return
-        if any(w.failure is not None for w in run.workers):
+        if any(w.failure is not None for w in run.ranks):
             return  # a failure's own path interrupts the others
-        in_task = {w.index for w in run.workers}
-        running = [w for w in run.workers if not w.finished and w.alive]
-        done = [w for w in run.workers if w.finished and w.outcome.status == "ok"]
-        done += [w for w in self.workers if w.index not in in_task and w.alive]
+        in_task = {w.index for w in run.ranks}
+        running = [w for w in run.ranks if not w.finished and w.alive]
+        done = [w for w in run.ranks if w.finished and w.outcome.status == "ok"]
+        done += [w for w in self.ranks if w.index not in in_task and w.alive]
         now = time.monotonic()
         if not running or not done:
             run.deadlock_key = run.deadlock_since = None
@@ -385,7 +383,7 @@ class SessionSupervisor:
         )
         root.outcome.exc_type = "SkippedCollective"
         root.outcome.message = text.split("\n", 1)[0]
-        outcomes = [w.outcome for w in run.workers]
+        outcomes = [w.outcome for w in run.ranks]
         message = f"{text}\n\n{self._note()}"
         raise self.loop.with_reports(
             WorkerFailedError(message, root.outcome, outcomes, self.loop.logs())
@@ -416,7 +414,7 @@ class SessionSupervisor:
 
     def _settle_interrupted(self) -> list[Rank]:
         """Interrupt the running ranks and wait for them; those that did not stop."""
-        return self._settle([w for w in self.loop.current.workers if not w.finished and w.alive])
+        return self._settle([w for w in self.loop.current.ranks if not w.finished and w.alive])
 
     def _settle(self, running: list[Rank]) -> list[Rank]:
         """Interrupt ``running`` and wait until each is idle again; those that are not."""
@@ -433,8 +431,8 @@ class SessionSupervisor:
         try:
             stuck = self._settle_interrupted()
         except KeyboardInterrupt:  # a second interrupt: no more waiting
-            stuck = [w for w in self.loop.current.workers if not w.finished]
-        ranks = ", ".join(str(w.outcome.rank) for w in self.loop.current.workers)
+            stuck = [w for w in self.loop.current.ranks if not w.finished]
+        ranks = ", ".join(str(w.outcome.rank) for w in self.loop.current.ranks)
         if stuck:
             names = ", ".join(str(w.outcome.rank) for w in stuck)
             self._free_or_stop(
@@ -454,7 +452,7 @@ class SessionSupervisor:
         return LaunchInterrupted(text)
 
     def _task_timeout(self, timeout: float) -> LaunchTimeoutError:
-        live = [w for w in self.loop.current.workers if w.alive and not w.finished]
+        live = [w for w in self.loop.current.ranks if w.alive and not w.finished]
         frames = self.loop.stacks(live)
         text, stacks = _diagnosis.timeout_report(
             timeout, self.loop.stuck_views(live, frames), "cell"
@@ -469,7 +467,7 @@ class SessionSupervisor:
                 "session was restarted with fresh ranks and every rank's state was lost.",
             )
         text += "\n\n" + self._note()
-        outcomes = [w.outcome for w in self.loop.current.workers]
+        outcomes = [w.outcome for w in self.loop.current.ranks]
         error = LaunchTimeoutError(text, timeout, stacks, outcomes, self.loop.logs())
         return self.loop.with_reports(error)
 

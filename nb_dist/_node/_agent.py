@@ -33,7 +33,7 @@ from typing import Any
 
 from .._kernel import _processes
 from .._rank import _regroup
-from .._rank._spec import WorkerChannels, WorkerSpec
+from .._rank._spec import RankChannels, RankSpec
 from .._shared import _clock, _collectives
 from .._shared._protocol import COLLECTIVES_ENV
 from .._shared._starting import (
@@ -54,8 +54,8 @@ _log = logging.getLogger(__name__)
 class _Local:
     """One rank on this node: its process, the agent's ends of its pipes, its counter."""
 
-    spec: WorkerSpec
-    process: _processes.WorkerProcess
+    spec: RankSpec
+    process: _processes.RankProcess
     readers: dict[str, Connection]
     commands: Connection
     counter: str
@@ -130,7 +130,7 @@ class NodeAgent:
         return int(self._store.port)
 
     # ------------------------------------------------------------------ a run
-    def start(self, run: int, method: str, specs: list[WorkerSpec]) -> list[int]:
+    def start(self, run: int, method: str, specs: list[RankSpec]) -> list[int]:
         """Start this node's ranks of run ``run`` (``specs`` in the kernel's order); their pids.
 
         As in the kernel (``_kernel/_start.py``): every rank is started before the gate
@@ -155,7 +155,7 @@ class NodeAgent:
 
     def _start_one(
         self,
-        spec: WorkerSpec,
+        spec: RankSpec,
         method: str,
         context: Any,
         gate: Gate,
@@ -170,7 +170,7 @@ class NodeAgent:
         widen(pipes["control"][0])  # a large result leaves the rank in 1 MB writes
         commands_reader, commands_writer = multiprocessing.Pipe(duplex=False)
         writers = {kind: writer for kind, (_, writer) in pipes.items()}
-        channels = WorkerChannels(
+        channels = RankChannels(
             **writers, lifeline=gate.lifeline_end, gate=gate.gate_end, commands=commands_reader
         )
         try:

@@ -27,11 +27,11 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from .._shared import _protocol, _reporting
-from .._shared._env import WORKER_ENV_FLAG
+from .._shared._env import RANK_ENV_FLAG
 from .._shared._protocol import COLLECTIVES_ENV
 from . import _debug, _frameworks, _oneshot, _serve
 from ._oneshot import flush_all
-from ._spec import WorkerChannels, WorkerSpec
+from ._spec import RankChannels, RankSpec
 
 _PR_SET_PDEATHSIG = 1
 #: What the kernel (or a node's agent) signals a rank with: stop, interrupt, dump the stack.
@@ -41,16 +41,16 @@ _KERNEL_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGUSR1}
 def spawn_main() -> None:
     """Entry point of a worker started with ``spawn``: its spec arrives on stdin."""
     spec, fds = pickle.loads(sys.stdin.buffer.read())
-    channels = WorkerChannels(**{name: Connection(fd) for name, fd in fds.items()})
+    channels = RankChannels(**{name: Connection(fd) for name, fd in fds.items()})
     run_worker(spec, channels, forked=False)
 
 
-def forkserver_main(spec: WorkerSpec, channels: WorkerChannels) -> None:
+def forkserver_main(spec: RankSpec, channels: RankChannels) -> None:
     """Entry point of a worker started by multiprocessing's ``forkserver``."""
     run_worker(spec, channels, forked=False)
 
 
-def run_worker(spec: WorkerSpec, channels: WorkerChannels, forked: bool) -> None:
+def run_worker(spec: RankSpec, channels: RankChannels, forked: bool) -> None:
     """Run one rank to completion and leave the process with ``os._exit``; never returns."""
     code = 1
     try:
@@ -63,7 +63,7 @@ def run_worker(spec: WorkerSpec, channels: WorkerChannels, forked: bool) -> None
         os._exit(code)
 
 
-def _run(spec: WorkerSpec, channels: WorkerChannels, forked: bool) -> int:
+def _run(spec: RankSpec, channels: RankChannels, forked: bool) -> int:
     # What the kernel had: modules imported beyond these may be worth importing there (_warm).
     kernel_modules = set(sys.modules) if forked and spec.report_imports else None
     _detach_from_kernel(spec, channels, forked)
@@ -81,7 +81,7 @@ def _run(spec: WorkerSpec, channels: WorkerChannels, forked: bool) -> int:
     return _oneshot.run(spec, channels, sink, kernel_modules, _prepare_torch)
 
 
-def _detach_from_kernel(spec: WorkerSpec, channels: WorkerChannels, forked: bool) -> None:
+def _detach_from_kernel(spec: RankSpec, channels: RankChannels, forked: bool) -> None:
     """Cut every tie to the kernel before user code runs."""
     # Own process group: Jupyter's interrupt (sent to the kernel's whole group) must reach the
     # kernel only; the kernel then stops the workers itself, in order.
@@ -129,7 +129,7 @@ def _detach_from_kernel(spec: WorkerSpec, channels: WorkerChannels, forked: bool
     ).start()
 
     os.environ.update(spec.env)
-    os.environ[WORKER_ENV_FLAG] = str(spec.rank)
+    os.environ[RANK_ENV_FLAG] = str(spec.rank)
     _frameworks.become_a_script()  # a torchrun rank, not the kernel's interactive console
 
 
@@ -147,7 +147,7 @@ def _wait_for_gate(gate: Connection) -> None:
     gate.close()
 
 
-def _die_with_parent(spec: WorkerSpec) -> None:
+def _die_with_parent(spec: RankSpec) -> None:
     """Ask Linux to SIGKILL this worker when the process that started it dies."""
     if sys.platform.startswith("linux"):
         try:
@@ -272,7 +272,7 @@ def _forward_display(send: Callable[[_protocol.Message], None]) -> None:
     publisher.clear_output = clear_output
 
 
-def _prepare_torch(spec: WorkerSpec, send: Callable[[_protocol.Message], None]) -> None:
+def _prepare_torch(spec: RankSpec, send: Callable[[_protocol.Message], None]) -> None:
     import torch
 
     from . import _groups, _rendezvous

@@ -23,14 +23,14 @@ from .._shared._frames import from_user_code
 from .._shared._imports import worth_importing
 from .._shared._reporting import _Sink
 from . import _debug
-from ._spec import WorkerChannels, WorkerSpec
+from ._spec import RankChannels, RankSpec
 
-PrepareTorch = Callable[[WorkerSpec, Callable[[_protocol.Message], None]], None]
+PrepareTorch = Callable[[RankSpec, Callable[[_protocol.Message], None]], None]
 
 
 def run(
-    spec: WorkerSpec,
-    channels: WorkerChannels,
+    spec: RankSpec,
+    channels: RankChannels,
     sink: _Sink,
     kernel_modules: set[str] | None,
     prepare_torch: PrepareTorch,
@@ -89,7 +89,7 @@ def unpicklable(value: Any, exc: Exception, rank: int) -> _protocol.Failed:
     return _protocol.Failed("UnpicklableResultError", message, "", time.monotonic())
 
 
-def _load_function(spec: WorkerSpec) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+def _load_function(spec: RankSpec) -> tuple[Callable[..., Any], tuple[Any, ...]]:
     if spec.payload is None:
         assert spec.function is not None
         return spec.function, spec.args
@@ -110,12 +110,12 @@ def destroy_process_group() -> None:
         dist.destroy_process_group()
 
 
-def _report_exception(control: Connection, exc: BaseException, spec: WorkerSpec) -> None:
+def _report_exception(control: Connection, exc: BaseException, spec: RankSpec) -> None:
     with contextlib.suppress(OSError, EOFError):
         _protocol.send(control, failure(exc, spec))
 
 
-def failure(exc: BaseException, spec: WorkerSpec) -> _protocol.Failed:
+def failure(exc: BaseException, spec: RankSpec) -> _protocol.Failed:
     """The :class:`~_protocol.Failed` message for ``exc``, its traceback from the user's code."""
     failed_at = time.monotonic()
     tb = from_user_code(exc.__traceback__)

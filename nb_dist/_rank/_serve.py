@@ -29,7 +29,7 @@ from .._shared import _collectives, _protocol, _shipping, _values
 from .._shared._reporting import _Sink
 from . import _debug
 from ._oneshot import destroy_process_group, failure, flush_all, result, unpicklable
-from ._spec import WorkerChannels, WorkerSpec
+from ._spec import RankChannels, RankSpec
 
 
 class _Interrupts:
@@ -43,9 +43,7 @@ class _Interrupts:
             raise KeyboardInterrupt
 
 
-def serve(
-    spec: WorkerSpec, channels: WorkerChannels, sink: _Sink, prepare: Callable[[], None]
-) -> int:
+def serve(spec: RankSpec, channels: RankChannels, sink: _Sink, prepare: Callable[[], None]) -> int:
     """Create the process group, then serve tasks until the kernel closes the pipe."""
     assert channels.commands is not None
     commands = channels.commands
@@ -102,7 +100,7 @@ def _namespace() -> dict[str, Any]:
 
 
 def _run_task(
-    spec: WorkerSpec,
+    spec: RankSpec,
     sink: _Sink,
     command: _protocol.Command,
     namespace: dict[str, Any],

@@ -13,7 +13,7 @@ from typing import Any
 
 
 @dataclass
-class WorkerSpec:
+class RankSpec:
     """Everything one worker needs, picklable so spawn/forkserver workers can receive it."""
 
     rank: int
@@ -44,7 +44,7 @@ class WorkerSpec:
 
 
 @dataclass
-class WorkerChannels:
+class RankChannels:
     """Pipes between one worker and the kernel. Each end is a ``Connection`` so it pickles."""
 
     stdout: Connection
