@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ START_LIMIT = 180.0
 #: Seconds a measured clock offset is used for (clocks drift a few ms an hour at worst).
 CLOCKS_FRESH_FOR = 60.0
 _runs = itertools.count(1)
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -223,8 +225,10 @@ class Gang:
     def end_run(self, links: Sequence[AgentLink]) -> None:
         """Tell every live agent the run is over (what is left of it is killed there)."""
         refs = [link.actor.end_run.remote(link.run) for link in links if link.lost is None]
-        with contextlib.suppress(Exception):  # an agent lost now is found by the next launch
+        try:
             self.ray.get(refs, timeout=CALL_LIMIT)
+        except Exception:  # an agent lost now is found (and replaced) by the next launch
+            _log.info("ending the run on the agents failed", exc_info=True)
 
     def wait_ready(self) -> None:
         """Until every agent's fork server is up (torch imported there), at most

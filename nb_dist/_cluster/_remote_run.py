@@ -68,7 +68,7 @@ def decide(
         threads=_plan.threads_for(options.threads_per_process, gang.threads_per_rank),
         warm_imports=False,
         payload=payload,
-        linecache_entries=_plan._cell_sources(),
+        linecache_entries=_plan.cell_sources(),
         rendezvous_timeout=_plan.rendezvous_limit(
             options.rendezvous_timeout, conf_timeout, CLUSTER_RENDEZVOUS
         ),
@@ -234,9 +234,7 @@ class ClusterHost:
                 lambda rank: self._on_lost(workers[rank], rank),
             )  # fmt: skip
             for rank, (worker, process) in enumerate(zip(workers, processes, strict=True)):
-                worker.process = process
-                worker.outcome.pid = process.pid
-                worker.clock_offset = self._gang.clock_offsets[lay.agent[rank]]
+                worker.attach(process, self._gang.clock_offsets[lay.agent[rank]])
         except BaseException:
             for ends in theirs:
                 for conn in ends.values():
@@ -251,8 +249,8 @@ class ClusterHost:
             # Even for a rank being stopped: another rank's failure may be the loss's first
             # sign (its peer's connection closed) and the stop its consequence. nb_dist never
             # loses an agent during a run itself (■ ends the run and keeps the agents).
-            if worker.failure is None:
-                worker.failure = _protocol.Failed(
+            worker.lose(
+                _protocol.Failed(
                     "NodeLostError",
                     f"rank {rank} ran on Ray node {node.node_id[:8]} ({node.address}), which "
                     f"was lost during the launch ({reason}); its ranks ended with it. Check "
@@ -261,6 +259,7 @@ class ClusterHost:
                     "",
                     at,
                 )
+            )
 
         return lost
 

@@ -13,9 +13,10 @@ is the one reported):
 6. threads that fork can give (the kernel's OpenMP pool, see ``_openmp.py``);
 7. for spawn/forkserver, shipping the function by value (cloudpickle).
 
-The plan then says everything an attempt needs: ranks, each rank's environment (a superset
-of torchrun's), backend, threads, timeouts, output modes. Only the rendezvous port (the
-store the kernel opens for each attempt) and the attempt number are added per attempt.
+The plan then says everything an attempt needs, as plain data: ranks, devices, backend,
+threads, timeouts, output modes, the function (or its bytes). Each rank's environment (a
+superset of torchrun's) is built from it per attempt (``_attempt.rank_env``), with the
+rendezvous port of the store opened for that attempt.
 """
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ def decide(plan: LaunchPlan, options: LaunchOptions) -> LaunchPlan:
         threads=threads,
         warm_imports=method == "fork" and plan.warm_imports and _warm.enabled(True),
         payload=payload,
-        linecache_entries=_cell_sources() if payload is not None else {},
+        linecache_entries=cell_sources() if payload is not None else {},
         notices=tuple(notices + ([warm_notice] if warm_notice else [])),
     )
 
@@ -444,7 +445,7 @@ def _pickle_for_spawn(function: Callable[..., Any], args: tuple[Any, ...]) -> by
         ) from exc
 
 
-def _cell_sources() -> dict[str, Any]:
+def cell_sources() -> dict[str, Any]:
     """linecache entries of notebook cells, so spawned workers' tracebacks show the code.
 
     Each without a modification time: IPython 7 stamps its entries with one, and linecache

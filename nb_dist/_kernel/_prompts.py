@@ -76,16 +76,14 @@ def converse(rank: Rank, pump: Callable[[float], None]) -> None:
     """
     label = f"[rank {rank.outcome.rank}] "
     while _reachable(rank) and (rank.debugging or rank.prompt is not None):
-        prompt = rank.prompt
+        prompt = rank.take_prompt()
         if prompt is None:
             pump(0.05)
             _show(rank)
             continue
-        rank.prompt = None
         line: str | None = None
         if frontend_can_answer():
-            rank.debug_text += prompt.text
-            _show(rank)
+            _show(rank, prompt.text)
             try:
                 line = read_line(label + (prompt.prompt or "(Pdb) "))
             except KeyboardInterrupt:
@@ -114,15 +112,14 @@ def _reachable(rank: Rank) -> bool:
 def _wait_until_done(rank: Rank, pump: Callable[[float], None]) -> None:
     deadline = time.monotonic() + 5.0
     while _reachable(rank) and rank.debugging and time.monotonic() < deadline:
-        if rank.prompt is not None:  # nobody answers: every further prompt gets "no one"
-            rank.prompt = None
+        if rank.take_prompt() is not None:  # nobody answers: every further prompt gets "no one"
             rank.send(_protocol.DebugInput(None))
         pump(0.05)
     _show(rank, quiet=True)
 
 
-def _show(rank: Rank, quiet: bool = False) -> None:
-    text, rank.debug_text = rank.debug_text, ""
+def _show(rank: Rank, more: str = "", quiet: bool = False) -> None:
+    text = rank.take_debug_text(more)
     if text and not quiet:
         sys.stdout.write(text if text.endswith("\n") else text + "\n")
         sys.stdout.flush()
@@ -199,9 +196,7 @@ class PostMortem:
 def _release(
     rank: Rank, lifeline: Connection | None, on_release: Callable[[], None] | None
 ) -> None:
-    if rank.alive and rank.process is not None:
-        rank.request_stop()
-        rank.returncode = rank.process.kill_and_reap()
+    rank.kill()
     for conn in rank.kernel_ends():
         with contextlib.suppress(OSError):
             conn.close()

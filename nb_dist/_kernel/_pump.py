@@ -131,5 +131,4 @@ def poll_exit(rank: Rank, now: float) -> None:
     if rank.alive and rank.process is not None:
         code = rank.process.exit_code()
         if code is not None:
-            rank.returncode, rank.exited_at = code, now
-            rank.ended_at = rank.process.ended_at() or now
+            rank.note_exit(code, now)

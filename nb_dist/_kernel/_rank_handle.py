@@ -15,6 +15,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from .._shared import _collectives, _protocol, _values
+from .._shared._protocol import PIPES
 from .._shared._reporting import ReportEntry, Reports
 from ._diagnosis import Frame, RendezvousView, StuckRank, ended_without_value
 from ._errors import RankOutcome, RankStatus
@@ -23,7 +24,6 @@ from ._processes import RankProcess, signal_name
 from ._tracebacks import format_frames, parse_fault_dump, relabel_cells
 
 FINAL: tuple[RankStatus, ...] = ("ok", "failed", "collateral", "stopped")
-PIPES = ("stdout", "stderr", "control", "stack")
 
 
 @dataclass
@@ -89,6 +89,55 @@ class Rank:
         """The kernel is stopping this rank: its end is not a failure of its own, unless its
         process had ended before the stop reached it (``RankProcess.ended_unasked``)."""
         self.stop_requested = True
+
+    def task_sent(self, command: _protocol.Command) -> bool:
+        """Send a live rank its next task (counted: the counts must match its ``Idle``)."""
+        self.tasks_sent += 1
+        return self.send(command)
+
+    def take_prompt(self) -> _protocol.DebugPrompt | None:
+        """The debugger prompt waiting for an answer, if any (it is answered once)."""
+        prompt, self.prompt = self.prompt, None
+        return prompt
+
+    def quit_debugger(self) -> None:
+        """Answer a waiting prompt with ``q``: the rank's debugger ends (no SIGINT there)."""
+        self.prompt, self.debugging = None, False
+        self.send(_protocol.DebugInput("q"))
+
+    def take_debug_text(self, more: str = "") -> str:
+        """What the rank's debugger printed and the cell has not shown yet (and ``more``)."""
+        text, self.debug_text = self.debug_text + more, ""
+        return text
+
+    def attach(self, process: RankProcess, clock_offset: float = 0.0) -> None:
+        """The rank's process has started (on a cluster node: ``clock_offset`` puts the
+        node's times on the kernel's clock)."""
+        self.process = process
+        self.outcome.pid = process.pid
+        self.clock_offset = clock_offset
+
+    def kill(self, stop: bool = True) -> None:
+        """Kill and reap the rank's process if it still runs (``stop``: as the kernel's own
+        stop, not a failure of the rank), noting its exit code and when it ended."""
+        if not self.alive or self.process is None:
+            return
+        if stop:
+            self.request_stop()
+        self.returncode = self.process.kill_and_reap()
+        self.exited_at = time.monotonic()
+
+    def note_exit(self, code: int, now: float) -> None:
+        """The process ended by itself with ``code``; ``now`` when the kernel saw it, its
+        end on the process's own clock where that is known (a cluster node's)."""
+        assert self.process is not None
+        self.returncode, self.exited_at = code, now
+        self.ended_at = self.process.ended_at() or now
+
+    def lose(self, failure: _protocol.Failed) -> None:
+        """The rank's node was lost: that is its failure, unless it had one already."""
+        if self.failure is None:
+            self.failure = failure
 
     @property
     def alive(self) -> bool:

@@ -12,7 +12,6 @@ lifeline's and the gate's write ends), or EOF would never come.
 
 from __future__ import annotations
 
-import time
 import weakref
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -45,10 +44,7 @@ def start_all(method: str, ranks: list[Rank], spec_for: SpecFor) -> Connection:
 
     def kill_started() -> None:
         for rank in ranks:
-            if rank.alive and rank.process is not None:
-                rank.request_stop()
-                rank.returncode = rank.process.kill_and_reap()
-                rank.exited_at = time.monotonic()
+            rank.kill()
 
     with gated_start(kill_started) as gate:
         kernel_ends = [*gate.starter_fds(), *_other_kernel_ends()]
@@ -63,7 +59,6 @@ def start_all(method: str, ranks: list[Rank], spec_for: SpecFor) -> Connection:
             finally:
                 for writer in writers.values():  # the worker has its own copies now
                     writer.close()
-            rank.process = process
-            rank.outcome.pid = process.pid
+            rank.attach(process)
     _kernel_ends.update([gate.lifeline, *(c for rank in ranks for c in rank.kernel_ends())])
     return gate.lifeline

@@ -110,13 +110,28 @@ class Supervisor:
         ]
         #: The run now going on: its ranks, output, reports and watchdog marks (``_pump.py``),
         #: under ``policy``. A launch has one; a live session (``_live/_session.py``), which
-        #: holds this loop, gives it a fresh run for each task.
+        #: holds this loop, begins a fresh one for each task (:meth:`begin_run`).
         self.current = Run(self.ranks, router, observer, policy=policy)
         self._pump = Pump()
         self._lifeline: Connection | None = None  # its EOF tells the workers the kernel died
         #: The failed rank kept for a post-mortem (``debug="postmortem"``), if any.
         self.held: Rank | None = None
         self._post_mortem_given = False  # the held rank went to the error's PostMortem
+
+    def begin_run(
+        self,
+        ranks: list[Rank],
+        router: OutputRouter,
+        policy: Policy,
+        reports: Reports | None = None,
+        observer: Observer | None = None,
+    ) -> Run:
+        """Start a fresh run over ``ranks`` (a live session's next task, or its time between
+        tasks): nothing the last run collected or noticed carries over but ``reports``."""
+        self.current = Run(
+            ranks, router, observer, reports if reports is not None else Reports(), policy
+        )
+        return self.current
 
     def start_and_watch(self) -> None:
         """Start every rank and read them until the run ends (raising the timeout's error if
@@ -151,8 +166,8 @@ class Supervisor:
             raise
         finally:
             for worker in self.current.ranks:  # last line of defence (a second interrupt)
-                if worker.alive and worker.process is not None and worker is not self.held:
-                    worker.returncode = worker.process.kill_and_reap()
+                if worker is not self.held:
+                    worker.kill(stop=False)
             self.close()
 
     def set_status(self, worker: Rank, status: RankStatus) -> None:
@@ -388,10 +403,7 @@ class Supervisor:
             lambda: all(w.finished for w in workers), DRAIN_AFTER_EXIT + STOP_GRACE
         ):
             for worker in workers:
-                if worker.alive and worker.process is not None:
-                    worker.request_stop()
-                    worker.returncode = worker.process.kill_and_reap()
-                    worker.exited_at = time.monotonic()
+                worker.kill()
                 if not worker.finished:
                     self._finalize(worker)
         for worker in workers:

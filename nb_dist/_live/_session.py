@@ -38,7 +38,7 @@ from .._kernel._observer import Observer
 from .._kernel._output import OutputRouter
 from .._kernel._plan import LaunchPlan
 from .._kernel._processes import signal_name
-from .._kernel._pump import Policy, Run
+from .._kernel._pump import Policy
 from .._kernel._rank_handle import Rank
 from .._kernel._supervisor import AttemptResult, RankHost, Supervisor
 from .._rank import _regroup
@@ -123,12 +123,10 @@ class SessionSupervisor:
         for worker in self.ranks:
             if worker.commands is not None and not worker.commands.closed:
                 worker.commands.close()  # EOF: the rank's loop ends
-        self.loop.current = Run(self.ranks, self.loop.current.router, None, self._reports, _BETWEEN)
+        self.loop.begin_run(self.ranks, self.loop.current.router, _BETWEEN, self._reports)
         self.loop.read_until(lambda: not any(w.alive for w in self.ranks), CLOSE_GRACE)
         for worker in self.ranks:
-            if worker.alive and worker.process is not None:
-                worker.request_stop()
-                worker.returncode = worker.process.kill_and_reap()
+            worker.kill()
         self.loop.close()
 
     @property
@@ -190,8 +188,8 @@ class SessionSupervisor:
             closing_note=self._note,
             watch=self._check_skipped_collective,
         )
-        self.loop.current = Run(
-            [self.ranks[i] for i in local_ranks], router, observer, self._reports, policy
+        self.loop.begin_run(
+            [self.ranks[i] for i in local_ranks], router, policy, self._reports, observer
         )
         self.task_count += 1
         self._freed = ""
@@ -199,8 +197,7 @@ class SessionSupervisor:
             for worker in self.loop.current.ranks:
                 worker.begin_task()
                 self.loop.set_status(worker, "running")
-                worker.tasks_sent += 1
-                worker.send(command_for(worker))
+                worker.task_sent(command_for(worker))
             deadline = None if timeout is None else time.monotonic() + timeout
             try:
                 timed_out = self.loop.watch(deadline)
@@ -215,7 +212,7 @@ class SessionSupervisor:
             return self.loop.result()
         finally:
             # Between tasks the session watches every rank, and nobody observes it.
-            self.loop.current = Run(self.ranks, router, None, self._reports, _BETWEEN)
+            self.loop.begin_run(self.ranks, router, _BETWEEN, self._reports)
             router.finish()
             if self.lost is not None:
                 self.close()
@@ -338,8 +335,7 @@ class SessionSupervisor:
         payload = _shipping.dumps((function, args, {}))
         failures = {w.index: w.failure for w in ranks}
         for worker in ranks:
-            worker.tasks_sent += 1
-            worker.send(_protocol.Call(0, payload))
+            worker.task_sent(_protocol.Call(0, payload))
         self.loop.read_until(lambda: all(_idle(w) for w in ranks), limit)
         return [w for w in ranks if not _idle(w) or w.failure is not failures[w.index]]
 
@@ -402,8 +398,7 @@ class SessionSupervisor:
             if worker.prompt is not None:
                 # At a pdb prompt the rank waits for a line, not a signal: quit its debugger
                 # (a breakpoint's function raises BdbQuit; a post-mortem ends).
-                worker.prompt, worker.debugging = None, False
-                worker.send(_protocol.DebugInput("q"))
+                worker.quit_debugger()
             elif worker.process is not None and not worker.debugging:
                 worker.process.send_signal(signal.SIGINT)
 

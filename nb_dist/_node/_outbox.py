@@ -13,9 +13,11 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._shared._protocol import PIPES
+
 #: The pipes a rank writes to, in the order one read turn drains them: output before the
 #: control pipe, so a rank's last lines arrive before the end of its control stream.
-KINDS = ("stdout", "stderr", "stack", "control")
+KINDS = PIPES
 
 
 @dataclass

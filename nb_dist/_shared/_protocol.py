@@ -58,6 +58,10 @@ from typing import Any
 #: The rank's collective counter file (``_collectives.py``), in its environment.
 COLLECTIVES_ENV = "NB_DIST_COLLECTIVES"
 
+#: A rank's four pipes to its starter, output first: a node's agent forwards them in this
+#: order, so a rank's last lines reach the kernel before its exit is read on ``control``.
+PIPES = ("stdout", "stderr", "stack", "control")
+
 
 @dataclass(frozen=True)
 class Hello:
