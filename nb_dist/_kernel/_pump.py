@@ -70,14 +70,8 @@ class Run:
     rdzv_complete: bool = False
     #: Seconds spent waiting for the notebook to answer a debugger (not counted as work).
     paused_for: float = 0.0
-    #: Live ranks: when a rank of the task failed, and when the others were last interrupted.
+    #: When a rank of the run failed (moved on by the time spent at a debugger's prompt).
     failed_at: float | None = None
-    interrupted: bool = False
-    last_interrupt: float = 0.0
-    #: Live ranks: the running ranks' counts when a skipped collective was first seen, and
-    #: since when they have not changed.
-    deadlock_key: tuple[tuple[int, int], ...] | None = None
-    deadlock_since: float | None = None
 
 
 OnMessage = Callable[[Rank, _protocol.Message], None]

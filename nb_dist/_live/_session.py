@@ -77,6 +77,19 @@ class Lost:
     dead_rank: bool  # a rank died by itself (restart() by hand) vs. was stopped
 
 
+@dataclass
+class _TaskMarks:
+    """What the current task (or the time between tasks) has noticed that only live ranks
+    act on; fresh with each run the session begins."""
+
+    interrupted: bool = False
+    last_interrupt: float = 0.0
+    #: The running ranks' counts when a skipped collective was first seen, and since when
+    #: they have not changed.
+    deadlock_key: tuple[tuple[int, int], ...] | None = None
+    deadlock_since: float | None = None
+
+
 class SessionSupervisor:
     """Ranks that stay up between tasks; ``start()``, then ``task()`` many times, ``close()``.
 
@@ -93,6 +106,7 @@ class SessionSupervisor:
         #: tasks (and while they start) its run watches every rank under ``_BETWEEN``.
         self.loop = Supervisor(plan, envs, router, None, host, policy=_BETWEEN)
         self.task_count = 0
+        self._marks = _TaskMarks()
         #: Why the ranks were stopped, once they were (the session's state is gone).
         self.lost: Lost | None = None
         self._closed = False
@@ -115,6 +129,17 @@ class SessionSupervisor:
             self.close()
             raise
 
+    def _begin(
+        self,
+        ranks: list[Rank],
+        router: OutputRouter,
+        policy: Policy,
+        observer: Observer | None = None,
+    ) -> None:
+        """A fresh run of the loop (and fresh marks) over ``ranks``; the reports carry on."""
+        self.loop.begin_run(ranks, router, policy, self._reports, observer)
+        self._marks = _TaskMarks()
+
     def close(self) -> None:
         """Let every rank leave (its process group destroyed), kill what does not, reap."""
         if self._closed:
@@ -123,7 +148,7 @@ class SessionSupervisor:
         for worker in self.ranks:
             if worker.commands is not None and not worker.commands.closed:
                 worker.commands.close()  # EOF: the rank's loop ends
-        self.loop.begin_run(self.ranks, self.loop.current.router, _BETWEEN, self._reports)
+        self._begin(self.ranks, self.loop.current.router, _BETWEEN)
         self.loop.read_until(lambda: not any(w.alive for w in self.ranks), CLOSE_GRACE)
         for worker in self.ranks:
             worker.kill()
@@ -188,9 +213,7 @@ class SessionSupervisor:
             closing_note=self._note,
             watch=self._check_skipped_collective,
         )
-        self.loop.begin_run(
-            [self.ranks[i] for i in local_ranks], router, policy, self._reports, observer
-        )
+        self._begin([self.ranks[i] for i in local_ranks], router, policy, observer)
         self.task_count += 1
         self._freed = ""
         try:
@@ -212,7 +235,7 @@ class SessionSupervisor:
             return self.loop.result()
         finally:
             # Between tasks the session watches every rank, and nobody observes it.
-            self.loop.begin_run(self.ranks, router, _BETWEEN, self._reports)
+            self._begin(self.ranks, router, _BETWEEN)
             router.finish()
             if self.lost is not None:
                 self.close()
@@ -353,7 +376,7 @@ class SessionSupervisor:
         done += [w for w in self.ranks if w.index not in in_task and w.alive]
         now = time.monotonic()
         if not running or not done:
-            run.deadlock_key = run.deadlock_since = None
+            self._marks.deadlock_key = self._marks.deadlock_since = None
             return
         states = {
             w.outcome.rank: _collectives.read(self.loop.counter_file(w) or "") for w in running
@@ -362,10 +385,11 @@ class SessionSupervisor:
         key = None
         if found is not None:
             key = tuple((rank, state.entered) for rank, state in found.blocked)
-        if key != run.deadlock_key:
-            run.deadlock_key, run.deadlock_since = key, now if key is not None else None
+        marks = self._marks
+        if key != marks.deadlock_key:
+            marks.deadlock_key, marks.deadlock_since = key, now if key is not None else None
             return
-        if found is None or not _watchdogs.deadlock_due(run.deadlock_since, now):
+        if found is None or not _watchdogs.deadlock_due(marks.deadlock_since, now):
             return
         frames = self.loop.stacks(running)
         by_rank = {w.outcome.rank: frames.get(w.index, []) for w in running}
@@ -389,11 +413,10 @@ class SessionSupervisor:
         """SIGINT the ranks, again every ``REPEAT_INTERRUPT`` s while they run: a rank that
         had not yet entered its task when the first one came ignored it."""
         now = time.monotonic()
-        if not _watchdogs.interrupt_due(
-            self.loop.current.interrupted, self.loop.current.last_interrupt, now
-        ):
+        marks = self._marks
+        if not _watchdogs.interrupt_due(marks.interrupted, marks.last_interrupt, now):
             return
-        self.loop.current.interrupted, self.loop.current.last_interrupt = True, now
+        marks.interrupted, marks.last_interrupt = True, now
         for worker in running:
             if worker.prompt is not None:
                 # At a pdb prompt the rank waits for a line, not a signal: quit its debugger
@@ -413,7 +436,7 @@ class SessionSupervisor:
 
     def _settle(self, running: list[Rank]) -> list[Rank]:
         """Interrupt ``running`` and wait until each is idle again; those that are not."""
-        self.loop.current.interrupted = False  # the first interrupt goes now
+        self._marks.interrupted = False  # the first interrupt goes now
         self._interrupt(running)
         self.loop.read_until(
             lambda: all(_idle(w) for w in running),
