@@ -16,6 +16,7 @@ from typing import Any
 
 from .._shared import _collectives, _protocol, _values
 from .._shared._protocol import PIPES
+from .._shared._starting import widen
 from .._shared._reporting import ReportEntry, Reports
 from ._diagnosis import Frame, RendezvousView, StuckRank, ended_without_value
 from ._errors import RankOutcome, RankStatus
@@ -153,6 +154,7 @@ class Rank:
         Four carry what the worker says (the kernel reads them); ``commands`` goes the other
         way (the debugger's answers, a live rank's tasks)."""
         ends = {kind: multiprocessing.Pipe(duplex=False) for kind in PIPES}
+        widen(ends["control"][0])  # a large value leaves the rank in 1 MB writes
         self.pipes = {kind: reader for kind, (reader, _) in ends.items()}
         self.control = _protocol.ControlReader(self.pipes["control"])
         theirs = {kind: writer for kind, (_, writer) in ends.items()}
