@@ -107,7 +107,8 @@ class Gang:
 
         self.ray = ray
         self.threads_per_rank = max(1, int(per_rank.get("CPU", 1)))
-        #: Live ranks running on the agents (a session holds them until it closes).
+        #: Live ranks running on the agents (a session holds them until it closes:
+        #: :meth:`hold`, :meth:`let_go`).
         self.session: object | None = None
         self.key = (nprocs, per_node, tuple(sorted(per_rank.items())), strategy)
         asked = _placement.bundles(nprocs, per_node, per_rank)
@@ -229,6 +230,15 @@ class Gang:
             self.ray.get(refs, timeout=CALL_LIMIT)
         except Exception:  # an agent lost now is found (and replaced) by the next launch
             _log.info("ending the run on the agents failed", exc_info=True)
+
+    def hold(self, session: object) -> None:
+        """A live session runs on these agents: no launch until it lets them go."""
+        self.session = session
+
+    def let_go(self, session: object) -> None:
+        """``session`` has closed (a later session's hold is kept)."""
+        if self.session is session:
+            self.session = None
 
     def wait_ready(self) -> None:
         """Until every agent's fork server is up (torch imported there), at most

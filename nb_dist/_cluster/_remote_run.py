@@ -208,7 +208,7 @@ class ClusterHost:
         self._give_back = on_lost  # the gang, after a run that lost a node
         self._session = session
         if session:
-            gang.session = self  # its agents run no launch until this session closes
+            gang.hold(self)  # its agents run no launch until this session closes
 
     @property
     def node_lost(self) -> bool:
@@ -275,8 +275,7 @@ class ClusterHost:
             if self._folder is not None:
                 shutil.rmtree(self._folder, ignore_errors=True)
                 self._folder = None
-                if self._gang.session is self:
-                    self._gang.session = None
+                self._gang.let_go(self)
                 if self.node_lost:
                     self._give_back()
 

@@ -16,8 +16,8 @@ from typing import Any
 
 from .._shared import _collectives, _protocol, _values
 from .._shared._protocol import PIPES
-from .._shared._starting import widen
 from .._shared._reporting import ReportEntry, Reports
+from .._shared._starting import widen
 from ._diagnosis import Frame, RendezvousView, StuckRank, ended_without_value
 from ._errors import RankOutcome, RankStatus
 from ._output import LineSplitter, OutputRouter
