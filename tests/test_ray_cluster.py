@@ -261,6 +261,48 @@ def test_a_local_launch_from_a_process_connected_to_ray_reports_a_crash(ray_clus
     assert "about to crash\nFatal Python error: Segmentation fault" in err.logs[1], err.logs[1]
 
 
+def _a_tensor():
+    import torch
+
+    return torch.ones(1024)
+
+
+def test_a_launchs_values_are_freed_without_the_cycle_collector(cluster):
+    """Nothing of a finished launch refers back to its ranks' values in a cycle: dropping the
+    result frees them at once (a kernel that returns 64 MB per rank must not wait for gc)."""
+    import gc
+    import weakref
+
+    gc.collect()
+    gc.disable()
+    try:
+        result = nb_dist.notebook_launcher(_a_tensor, num_processes=2, cluster=cluster)
+        values = [weakref.ref(value) for value in result]
+        del result
+        assert [ref() for ref in values] == [None, None]
+    finally:
+        gc.enable()
+
+
+def test_the_last_lines_of_a_flood_all_arrive(cluster):
+    """Every line of every rank, the last ones too, however late the forwarder wrote them."""
+    for _ in range(3):
+        result = nb_dist.notebook_launcher(_flood, (20000,), num_processes=2, cluster=cluster,
+                                           output="none")  # fmt: skip
+        assert [log.count("flood ") for log in result.logs] == [20000, 20000]
+        assert [log.splitlines()[-1] for log in result.logs] == [
+            "flood 0 19999",
+            "flood 1 19999",
+        ]
+
+
+def _flood(count):
+    import nb_dist
+
+    for i in range(count):
+        print(f"flood {nb_dist.rank()} {i}")
+
+
 def test_a_relaunch_reuses_the_agents(cluster):
     first = nb_dist.notebook_launcher(_warm, (1,), num_processes=2, cluster=cluster)
     agents = {a["ActorID"] for a in live_agents()}

@@ -17,6 +17,7 @@ import dataclasses
 import os
 import shutil
 import types
+import weakref
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
@@ -244,12 +245,19 @@ class ClusterHost:
 
     def _on_lost(self, worker: Rank, rank: int) -> OnLost:
         node = self._gang.nodes[self._gang.layout.agent[rank]]
+        # Weakly: the rank's RemoteProcess holds this callback, and the handle holds the
+        # process and the rank's value; a strong reference would keep that value alive
+        # until the cycle collector runs (64 MB results piled up in a kernel).
+        handle = weakref.ref(worker)
 
         def lost(reason: str, at: float) -> None:
             # Even for a rank being stopped: another rank's failure may be the loss's first
             # sign (its peer's connection closed) and the stop its consequence. nb_dist never
             # loses an agent during a run itself (■ ends the run and keeps the agents).
-            worker.lose(
+            still = handle()
+            if still is None:
+                return
+            still.lose(
                 _protocol.Failed(
                     "NodeLostError",
                     f"rank {rank} ran on Ray node {node.node_id[:8]} ({node.address}), which "

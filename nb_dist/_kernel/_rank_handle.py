@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import select
 import signal
 import time
 from dataclasses import dataclass
@@ -239,6 +240,23 @@ class Rank:
         else:
             router.lines(self.index, kind, self.splitters[kind].feed(data))
         return True
+
+    def drain_streams(self, router: OutputRouter, within: float = 0.5) -> None:
+        """Read what already waits in the output pipes, without waiting for more (at most
+        ``within`` s: a grandchild may keep writing). A rank whose control pipe closed is
+        finished while up to a pipe's worth of its last output may still be unread (on a
+        cluster, the forwarder writes a rank's last bytes just before its exit is noted)."""
+        deadline = time.monotonic() + within
+        for kind in ("stdout", "stderr", "stack"):
+            reader = self.pipes.get(kind)
+            while (
+                reader is not None
+                and not reader.closed
+                and time.monotonic() < deadline
+                and select.select([reader.fileno()], [], [], 0)[0]
+                and self.read_stream(kind, router)
+            ):
+                pass
 
     def read_control(self) -> list[_protocol.Message | Exception]:
         """The control messages that have arrived whole (a :class:`~_protocol.Result` once

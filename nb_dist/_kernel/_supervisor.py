@@ -407,6 +407,7 @@ class Supervisor:
                 if not worker.finished:
                     self._finalize(worker)
         for worker in workers:
+            worker.drain_streams(self.current.router)  # its last lines, if still in the pipe
             for kind, splitter in worker.splitters.items():
                 self.current.router.lines(worker.index, kind, splitter.flush())
 
