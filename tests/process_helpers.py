@@ -89,3 +89,24 @@ class OnWrite:
 
     def __getattr__(self, name: str):
         return getattr(self._stream, name)
+
+
+def listeners() -> tuple[str, list[str], list[str]]:
+    """Run in a rank: (``MASTER_ADDR``, the addresses the rendezvous store listens on, this
+    rank's own listening sockets'), read while every rank is in the process group."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    port = int(os.environ["MASTER_PORT"])
+    store = [
+        c.laddr.ip
+        for c in psutil.net_connections(kind="tcp")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == port
+    ]
+    mine = [
+        c.laddr.ip
+        for c in psutil.Process().net_connections(kind="tcp")
+        if c.status == psutil.CONN_LISTEN
+    ]
+    dist.barrier()  # every rank has read its sockets before any leaves
+    return os.environ["MASTER_ADDR"], store, mine

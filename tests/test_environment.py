@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from process_helpers import listeners
 
 import nb_dist
 from nb_dist import WorkerFailedError, notebook_launcher
@@ -371,30 +372,9 @@ def test_cpu_ranks_see_no_gpu(monkeypatch):
     assert list(notebook_launcher(_visible_devices, num_processes=2, device="cpu")) == ["", ""]
 
 
-def _listeners() -> tuple[list[str], list[str]]:
-    """(the addresses the rendezvous store listens on, this rank's own listening sockets'),
-    read while every rank is in the process group."""
-    import psutil
-
-    dist.init_process_group("gloo")
-    port = int(os.environ["MASTER_PORT"])
-    store = [
-        c.laddr.ip
-        for c in psutil.net_connections(kind="tcp")
-        if c.status == psutil.CONN_LISTEN and c.laddr.port == port
-    ]
-    mine = [
-        c.laddr.ip
-        for c in psutil.Process().net_connections(kind="tcp")
-        if c.status == psutil.CONN_LISTEN
-    ]
-    dist.barrier()  # every rank has read its sockets before any leaves
-    return store, mine
-
-
 def test_the_store_and_gloo_listen_on_loopback_only():
     """Neither authenticates its peers: on one machine nothing of a launch is reachable from
     the network (torch's store alone would listen on every interface, '::')."""
-    for store, mine in notebook_launcher(_listeners, num_processes=2):
+    for _, store, mine in notebook_launcher(listeners, num_processes=2):
         assert store == ["127.0.0.1"], store
         assert mine and set(mine) == {"127.0.0.1"}, mine  # gloo's pairs, on loopback

@@ -29,6 +29,8 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from process_helpers import listeners  # noqa: E402
+
 import nb_dist  # noqa: E402
 from nb_dist._cluster._connect import ClusterError  # noqa: E402
 from nb_dist._shared import _collectives  # noqa: E402
@@ -208,32 +210,10 @@ def _warm(x):
     return x * 2
 
 
-def _listeners():
-    import os
-
-    import psutil
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo")
-    port = int(os.environ["MASTER_PORT"])
-    store = [
-        c.laddr.ip
-        for c in psutil.net_connections(kind="tcp")
-        if c.status == psutil.CONN_LISTEN and c.laddr.port == port
-    ]
-    mine = [
-        c.laddr.ip
-        for c in psutil.Process().net_connections(kind="tcp")
-        if c.status == psutil.CONN_LISTEN
-    ]
-    dist.barrier()
-    return os.environ["MASTER_ADDR"], store, mine
-
-
 def test_the_store_and_gloo_listen_on_the_nodes_cluster_address_only(cluster):
     """The store in rank 0's agent and each rank's gloo are bound to the node's address on
     the cluster network, never to every interface (neither authenticates its peers)."""
-    for address, store, mine in nb_dist.notebook_launcher(_listeners, num_processes=2,
+    for address, store, mine in nb_dist.notebook_launcher(listeners, num_processes=2,
                                                           cluster=cluster):  # fmt: skip
         assert store == [address], (address, store)
         assert mine and all(ip not in ("0.0.0.0", "::") for ip in mine), mine
