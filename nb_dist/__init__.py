@@ -1,6 +1,6 @@
 """nb_dist: launch distributed PyTorch from a Jupyter cell, and see every rank.
 
-``notebook_launcher(fn, args, num_processes=2)`` runs ``fn`` on N workers under
+``notebook_launcher(fn, args, num_processes=2)`` runs ``fn`` on N ranks under
 torch.distributed (gloo on CPU, NCCL on GPUs), streams each rank's output into the cell,
 returns each rank's value, and tears everything down on failure, hang or interrupt.
 """

@@ -29,7 +29,11 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         "ended with identical weights, and the wall time.",
     )
     demo.add_argument(
-        "--num-processes", type=int, default=2, metavar="N", help="worker processes (default 2)"
+        "--num-processes",
+        type=int,
+        default=2,
+        metavar="N",
+        help="processes, one per rank (default 2)",
     )
     demo.add_argument(
         "--epochs", type=int, default=3, metavar="N", help="training epochs (default 3)"
@@ -38,7 +42,7 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         "--start-method",
         choices=("fork", "spawn", "forkserver"),
         default="fork",
-        help="how workers start (default fork)",
+        help="how ranks start (default fork)",
     )
     demo.add_argument("--seed", type=int, default=0, help="seed of the data and the model")
     demo.add_argument(

@@ -2,7 +2,7 @@
 
 It goes through :func:`nb_dist.notebook_launcher`, the same code path a notebook cell uses, so
 it doubles as a smoke test of an installation. :func:`train` is what every rank runs (module
-level, so ``spawn``/``forkserver`` workers can import it); :func:`run_demo` launches it from
+level, so ``spawn``/``forkserver`` ranks can import it); :func:`run_demo` launches it from
 the calling process and prints a summary.
 
 Everything a DDP training needs is in :func:`train` (the sharded loader and one epoch's
@@ -241,7 +241,7 @@ def run_demo(
     timeout: float | None = 300.0,
     quiet: bool = False,
 ) -> DemoSummary:
-    """Launch :func:`train` on ``num_processes`` CPU workers and print a summary per rank.
+    """Launch :func:`train` on ``num_processes`` CPU ranks and print a summary per rank.
 
     Raises what :func:`~nb_dist.notebook_launcher` raises (``WorkerFailedError`` when a rank
     fails, ``ValueError`` for a bad argument). ``quiet=True`` hides the ranks' output and the

@@ -120,7 +120,7 @@ def test_without_release_the_launch_drops_to_one_thread_or_refuses(module_kernel
         ).expect_ok()
         if _cores() >= 2:
             assert run.result_text == "LaunchResult([1])"
-            assert "Workers run with 1 thread instead of 2" in run.stderr()
+            assert "Ranks run with 1 thread instead of 2" in run.stderr()
 
         refused = execute(
             kc, "notebook_launcher(conv_work, num_processes=2, threads_per_process=2, timeout=90)"

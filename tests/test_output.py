@@ -369,7 +369,7 @@ def test_blocked_place_names_a_hang_at_the_return_of_the_function():
     while the function's locals are freed; other stacks without user code say so."""
     call_file, call_name = FUNCTION_CALL
     inherited = [("/usr/lib/python3.11/runpy.py", 88, "_run_code")]
-    at_return = [*inherited, (ENTRY_FILE, 90, "run_worker"), (call_file, 117, call_name)]
+    at_return = [*inherited, (ENTRY_FILE, 90, "run_rank"), (call_file, 117, call_name)]
     place = blocked_place(at_return)
     assert place.startswith("the return from the function, in native code"), place
     assert "del the model before destroy_process_group()" in place

@@ -340,7 +340,7 @@ def test_invalid_monitor_interval_is_refused(tmp_path, value):
         (
             {"threads_per_process": 0},
             ValueError,
-            ["threads_per_process=0", "leave it unset for cores / workers"],
+            ["threads_per_process=0", "leave it unset for cores / ranks"],
         ),
         ({"init_process_group": "yes"}, TypeError, ["init_process_group='yes'", "True or False"]),
         ({"master_addr": ""}, TypeError, ["master_addr=''", "IP address string"]),
@@ -425,7 +425,7 @@ def test_nested_launch_is_refused(tmp_path):
     assert root.rank == 0
     assert root.exc_type == "nb_dist.UnsafeLaunchError"
     _assert_mentions(
-        root.message, "inside a launched worker (rank 0)", "from the notebook (the kernel) only"
+        root.message, "inside rank 0 of a launch", "from the notebook (the kernel) only"
     )
     assert str(info.value).startswith("rank 0 failed first: nb_dist.UnsafeLaunchError: ")
     assert not marker.exists()

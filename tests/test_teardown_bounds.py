@@ -51,7 +51,7 @@ def test_an_unreaped_worker_is_reported_with_its_pid_and_state(sleeper, capsys, 
     text = report_unreaped(sleeper.pid, 5.0)
     err = capsys.readouterr().err
     assert text in err  # in the cell (stderr), not only in a log
-    assert f"worker process {sleeper.pid} did not end within 5 s" in text
+    assert f"rank process {sleeper.pid} did not end within 5 s" in text
     assert f"state: {process_state(sleeper.pid)}" in text and "left behind" in text
     assert any(r.name == "nb_dist._kernel._processes" and r.levelname == "WARNING"
                for r in caplog.records)  # fmt: skip

@@ -2,7 +2,7 @@
 behind the kernel's ``RankProcess`` interface.
 
 Runs in the kernel. For each rank the kernel makes its usual pipes (``Rank.open_pipes``); the
-ends a local worker would hold stay here. :class:`Forwarder` long-polls every node agent
+ends a local rank would hold stay here. :class:`Forwarder` long-polls every node agent
 (``_node/_agent.py``) in one thread and writes the raw bytes it gets into those write ends
 (raw bytes keep the control pipe's framing, so the kernel's parsing is unchanged), copies
 each rank's collective counter into the kernel's mirror file, and records exit codes and
@@ -88,7 +88,7 @@ class AgentLink:
         self.backlog_bytes = 0
 
     def add_rank(self, position: int, theirs: dict[str, Connection], mirror: str | None) -> None:
-        """Rank ``position`` of this agent: the worker's ends of its local pipes."""
+        """Rank ``position`` of this agent: the rank's ends of its local pipes."""
         self.positions.append(position)
         for kind, conn in theirs.items():
             if kind == "commands":

@@ -116,7 +116,7 @@ class Gang:
         self.group: Any = _placement.reserve(ray, asked, strategy, timeout)
         self.agents: list[Any] = []
         try:
-            # By reference: the agent's worker imports nb_dist._node._agent, and with it a
+            # By reference: the agent's rank imports nb_dist._node._agent, and with it a
             # package whose API stays unimported (no torch, no widgets: nb_dist/__init__.py).
             remote = ray.remote(NodeAgent)
             for index, bundle in enumerate(asked):

@@ -218,24 +218,24 @@ class ClusterHost:
         return any(link.lost is not None for link in links)
 
     def start(self, supervisor: Supervisor) -> Connection | None:
-        plan, lay, workers = supervisor.config, self._gang.layout, supervisor.ranks
+        plan, lay, ranks = supervisor.config, self._gang.layout, supervisor.ranks
         specs = [
             dataclasses.replace(
                 plan.rank_spec(r, supervisor.rank_envs[r], []), local_rank=lay.local_rank[r]
             )
             for r in range(plan.nprocs)
         ]
-        theirs = [worker.open_pipes() for worker in workers]
+        theirs = [rank.open_pipes() for rank in ranks]
         for ends in theirs:
             widen(ends["control"])  # a large value crosses the kernel's pipe in 1 MB writes
         mirrors = [env.get(COLLECTIVES_ENV) for env in supervisor.rank_envs]
         try:
             self._forwarder, processes = self._gang.start(
                 plan.start_method, specs, theirs, mirrors,
-                lambda rank: self._on_lost(workers[rank], rank),
+                lambda index: self._on_lost(ranks[index], index),
             )  # fmt: skip
-            for rank, (worker, process) in enumerate(zip(workers, processes, strict=True)):
-                worker.attach(process, self._gang.clock_offsets[lay.agent[rank]])
+            for index, (rank, process) in enumerate(zip(ranks, processes, strict=True)):
+                rank.attach(process, self._gang.clock_offsets[lay.agent[index]])
         except BaseException:
             for ends in theirs:
                 for conn in ends.values():
@@ -243,12 +243,12 @@ class ClusterHost:
             raise
         return None  # the agents hold the lifelines of their ranks
 
-    def _on_lost(self, worker: Rank, rank: int) -> OnLost:
-        node = self._gang.nodes[self._gang.layout.agent[rank]]
+    def _on_lost(self, rank: Rank, index: int) -> OnLost:
+        node = self._gang.nodes[self._gang.layout.agent[index]]
         # Weakly: the rank's RemoteProcess holds this callback, and the handle holds the
         # process and the rank's value; a strong reference would keep that value alive
         # until the cycle collector runs (64 MB results piled up in a kernel).
-        handle = weakref.ref(worker)
+        handle = weakref.ref(rank)
 
         def lost(reason: str, at: float) -> None:
             # Even for a rank being stopped: another rank's failure may be the loss's first
@@ -260,7 +260,7 @@ class ClusterHost:
             still.lose(
                 _protocol.Failed(
                     "NodeLostError",
-                    f"rank {rank} ran on Ray node {node.node_id[:8]} ({node.address}), which "
+                    f"rank {index} ran on Ray node {node.node_id[:8]} ({node.address}), which "
                     f"was lost during the launch ({reason}); its ranks ended with it. Check "
                     "the cluster (`ray status`), then launch again: the next launch places "
                     "its ranks on live nodes.",

@@ -114,7 +114,7 @@ def torchrun_env(plan: LaunchPlan, local_rank: int, port: int, attempt: int) -> 
             env["GLOO_SOCKET_IFNAME"] = interface
     if not plan.use_gpu:
         # Accelerate only picks MULTI_CPU (gloo, one process per rank) when told to use
-        # the CPU; without it, Accelerator() in each worker would see a single process.
+        # the CPU; without it, Accelerator() in each rank would see a single process.
         env["ACCELERATE_USE_CPU"] = "true"
     if plan.device == "cpu" or (plan.device == "auto" and not plan.use_gpu):
         # CPU ranks see no GPU: code that calls init_process_group() without a backend

@@ -288,7 +288,7 @@ def root_cause(outcomes: Sequence[RankOutcome]) -> tuple[RankOutcome, list[RankO
 def last_output(log: str) -> list[str]:
     """The end of a dead rank's output; for a crash, faulthandler's report up to the user code.
 
-    A forked worker's crash report continues below the user's frames with the launcher's and
+    A forked rank's crash report continues below the user's frames with the launcher's and
     the inherited kernel's frames (dozens in Jupyter), which would push the "Fatal Python error"
     line and the user's frames out of a plain tail.
     """

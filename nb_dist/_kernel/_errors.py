@@ -11,7 +11,7 @@ from typing import Any, Literal
 from .._shared import _torch_compat
 from .._shared._frames import PACKAGE_DIR
 
-try:  # what torchrun and accelerate.notebook_launcher raise when a worker fails
+try:  # what torchrun and accelerate.notebook_launcher raise when a rank fails
     from torch.distributed.elastic.multiprocessing.errors import (
         ChildFailedError as _ChildFailedError,
     )
@@ -64,7 +64,7 @@ class RankOutcome:
     failed_at: float | None = None
     duration: float | None = None
     stack: str | None = field(default=None, repr=False)
-    #: When the function returned (``time.monotonic()``), before the worker's teardown.
+    #: When the function returned (``time.monotonic()``), before the rank's teardown.
     returned_at: float | None = field(default=None, repr=False)
 
     def describe(self) -> str:
@@ -160,9 +160,9 @@ class LaunchError(_EndsAtTheCall, RuntimeError):
 
 
 class UnsafeLaunchError(LaunchError, ValueError):
-    """The kernel is in a state where starting workers would fail or misbehave.
+    """The kernel is in a state where starting ranks would fail or misbehave.
 
-    Raised before any worker starts; the message says what was found and what to do. Also a
+    Raised before any rank starts; the message says what was found and what to do. Also a
     ``ValueError``, which is what ``accelerate.notebook_launcher`` raises for the same states,
     so code written for it catches this too.
     """

@@ -54,9 +54,9 @@ def notebook_launcher(
     debug: str | None = None,
     cluster: Transport | None = None,
 ) -> LaunchResult:
-    """Run ``function(*args)`` on ``num_processes`` workers and return every rank's value.
+    """Run ``function(*args)`` on ``num_processes`` ranks and return every rank's value.
 
-    Call it from a notebook cell (or a script). Each worker gets the standard torch.distributed
+    Call it from a notebook cell (or a script). Each rank gets the standard torch.distributed
     environment (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ...),
     so ``torch.distributed.init_process_group()`` and ``accelerate.Accelerator()`` work inside
     the function unchanged. The backend is gloo on CPU and NCCL on GPUs (one GPU per rank).
@@ -67,11 +67,11 @@ def notebook_launcher(
     that failed first.
 
     Args:
-        function: the function every worker runs; defined in a cell is fine.
+        function: the function every rank runs; defined in a cell is fine.
         args: positional arguments for ``function`` (a tuple or list).
-        num_processes: workers on this machine. ``None``: one per visible GPU.
+        num_processes: ranks on this machine. ``None``: one per visible GPU.
         mixed_precision: ``"no"``, ``"fp16"`` or ``"bf16"``; reaches ``Accelerator()`` and
-            :func:`nb_dist.mixed_precision` in the workers.
+            :func:`nb_dist.mixed_precision` in the ranks.
         use_port: rendezvous port; ``None`` picks a free one. Required with ``num_nodes > 1``.
         master_addr: address of node 0 (the machine whose kernel hosts the rendezvous).
         node_rank, num_nodes: this machine's index and the number of machines; run the same
@@ -82,7 +82,7 @@ def notebook_launcher(
             ``"timeout"``/``"join_timeout"`` set ``rendezvous_timeout``, other keys are ignored
             with a notice.
         max_restarts: restart the whole group up to this many times after a failure.
-        monitor_interval: seconds between checks of the workers' state.
+        monitor_interval: seconds between checks of the ranks' state.
         log_line_prefix_template: label for each output line, e.g. ``"[${rank}]: "``
             (default ``"[rank ${rank}] "``).
         start_method: ``"fork"`` (default: cell-defined functions just work), or ``"spawn"`` /
@@ -94,11 +94,11 @@ def notebook_launcher(
             ``"grouped"`` (every rank's lines, rank by rank, when the launch ends: the same on
             every run, as notebooks checked by nbval need), or ``"none"``. Every rank's output
             is kept in ``result.logs`` either way.
-        init_process_group: create the default process group in each worker before calling
+        init_process_group: create the default process group in each rank before calling
             ``function`` (off by default, so code that creates it itself runs unchanged).
         device: ``"auto"`` (one GPU per rank if enough are visible; else CPU, with a notice
             when there are GPUs but fewer than ranks), ``"cpu"`` or ``"cuda"``.
-        threads_per_process: intra-op threads per worker. Default: cores / workers, unless
+        threads_per_process: intra-op threads per rank. Default: cores / ranks, unless
             ``OMP_NUM_THREADS`` is set. Safe with fork after the kernel ran multi-threaded
             torch work: the kernel's OpenMP pool is released before forking (see _openmp.py).
         hang_notice_after: when some ranks finished and another still runs this many seconds
@@ -111,9 +111,9 @@ def notebook_launcher(
             20 s on one machine, 300 s with ``num_nodes > 1`` (the other machines' cells may
             start later). ``None``: wait as long as torch does (30 minutes).
         warm_imports: after a fork launch, import in the kernel (in the background) the
-            torch modules its workers had to import, so that later launches inherit them: a
+            torch modules its ranks had to import, so that later launches inherit them: a
             re-run DDP cell then starts in a fraction of a second instead of re-importing
-            ``torch._dynamo`` in every worker. Costs the kernel the modules' memory (about
+            ``torch._dynamo`` in every rank. Costs the kernel the modules' memory (about
             70 MB for DDP). ``False`` or ``NB_DIST_WARM_IMPORTS=0`` turns it off.
         rich_output: whose ``display()`` output (HTML, images, matplotlib figures, updating
             displays such as a ``Trainer``'s progress table) is shown rich in the cell:
@@ -138,11 +138,11 @@ def notebook_launcher(
         outcomes, logs and timings as attributes.
 
     Raises:
-        UnsafeLaunchError: the kernel's state would break the workers (nothing was started).
+        UnsafeLaunchError: the kernel's state would break the ranks (nothing was started).
         TypeError, ValueError: an argument is wrong; the message names it and the fix.
         WorkerFailedError: a rank failed; the message starts with the root cause.
         LaunchTimeoutError: ``timeout`` passed; the message shows each rank's stack.
-        KeyboardInterrupt: the kernel was interrupted; all workers were stopped.
+        KeyboardInterrupt: the kernel was interrupted; all ranks were stopped.
     """
     __tracebackhide__ = True
     began = time.monotonic()

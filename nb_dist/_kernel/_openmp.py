@@ -5,16 +5,16 @@ ops) on GNU OpenMP (libgomp). The first parallel region a thread runs starts a p
 threads that stays. ``fork`` copies only the calling thread, but the child's libgomp still
 believes the pool exists: the child's first parallel region with more than one thread waits
 forever for threads that were never copied. So a cell that trains in the kernel, followed by
-a launch with two or more threads per worker, hangs in the workers' first convolution.
+a launch with two or more threads per rank, hangs in the ranks' first convolution.
 
 The fix used here: just before forking, the launcher releases the calling thread's pool with
 ``omp_pause_resource_all(omp_pause_hard)`` (OpenMP 5.0, in every libgomp since GCC 9). The
-workers then start pools of their own and keep all their threads; the kernel re-creates its
+ranks then start pools of their own and keep all their threads; the kernel re-creates its
 pool at its next parallel op, which costs about a millisecond.
 
 Where that cannot be done (a libgomp without the call, or ``NB_DIST_RELEASE_OPENMP=0``), a
 throw-away child runs one small parallel op under a deadline. If it hangs, the pool is alive
-and fork is unsafe with threads: the launch then uses one thread per worker (and says so), or
+and fork is unsafe with threads: the launch then uses one thread per rank (and says so), or
 refuses an explicit ``threads_per_process > 1`` with the alternatives.
 """
 
@@ -188,7 +188,7 @@ def release_notice(release: Release, threads: int) -> str | None:
     _announced = True
     return (
         "The kernel had already run multi-threaded torch work, and OpenMP's thread pool does "
-        "not survive fork (workers would hang in their first parallel op). nb_dist released "
+        "not survive fork (ranks would hang in their first parallel op). nb_dist released "
         f"the kernel's pool before forking, so each rank keeps its {threads} threads. Cost: "
         "the kernel starts a new pool at its next parallel op (about a millisecond)."
     )
@@ -203,7 +203,7 @@ def _why_kept(release: Release) -> str:
 def single_thread_notice(threads: int, release: Release) -> str:
     return (
         "The kernel had already run multi-threaded torch work, and OpenMP's thread pool does "
-        f"not survive fork; {_why_kept(release)}. Workers run with 1 thread "
+        f"not survive fork; {_why_kept(release)}. Ranks run with 1 thread "
         f"instead of {threads} so that they do not hang. For all threads, launch with "
         "start_method='forkserver' (fresh processes) or restart the kernel and launch before "
         "training in it."
@@ -215,7 +215,7 @@ def fork_unsafe_message(threads: int, release: Release) -> str:
     return (
         f"threads_per_process={threads} cannot work with start_method='fork' now: the kernel "
         "already ran multi-threaded torch work, and OpenMP's thread pool does not survive fork, "
-        "so every worker would hang in its first parallel op (a convolution, a matmul), and "
+        "so every rank would hang in its first parallel op (a convolution, a matmul), and "
         f"{why}. Launch with start_method='forkserver' (fresh "
         "processes, all threads), or with threads_per_process=1, or restart the kernel and "
         "launch before running torch work in it."

@@ -1,6 +1,6 @@
-"""Rank-labelled output: turning each worker's byte stream into labelled lines in the cell.
+"""Rank-labelled output: turning each rank's byte stream into labelled lines in the cell.
 
-Workers write to pipes; the launching cell's thread reads them and writes every complete line
+Ranks write to pipes; the launching cell's thread reads them and writes every complete line
 with its rank's prefix to the kernel's own ``sys.stdout``/``sys.stderr``. Because the launching
 thread writes, the lines land in the launching cell and are all sent before the cell returns.
 """

@@ -4,7 +4,7 @@
 :class:`LaunchPlan` before anything starts, checking in this order (the first problem found
 is the one reported):
 
-1. a launch from inside a launched worker;
+1. a launch from inside a rank of a launch;
 2. each argument on its own, in the order of the signature (types, ranges, choices);
 3. combinations of arguments (multi-node needs a port and no restarts);
 4. the kernel's state: a process group, Accelerate state;
@@ -51,7 +51,7 @@ class LaunchPlan:
 
     function: Callable[..., Any]
     args: tuple[Any, ...]
-    ranks: tuple[int, ...]  # global rank of each local worker
+    ranks: tuple[int, ...]  # the global rank of each rank started from here
     world_size: int
     node_rank: int
     num_nodes: int
@@ -75,7 +75,7 @@ class LaunchPlan:
     warm_imports: bool
     monitor: bool
     debug: str | None = None  # "postmortem": keep the failing rank for the notebook's pdb
-    session: bool = False  # live ranks (nb_dist.Ranks): workers serve tasks
+    session: bool = False  # live ranks (nb_dist.Ranks): ranks serve tasks
     payload: bytes | None = None  # spawn/forkserver: the function and args, by value
     linecache_entries: dict[str, Any] = field(default_factory=dict)
     notices: tuple[str, ...] = ()
@@ -89,7 +89,7 @@ class LaunchPlan:
         return "nccl" if self.use_gpu else "gloo"
 
     def rank_spec(self, local_rank: int, env: dict[str, str], close_fds: list[int]) -> RankSpec:
-        """What one worker is told: its rank, environment, and the function (or its bytes)."""
+        """What one rank is told: its rank, environment, and the function (or its bytes)."""
         shipped = self.payload is not None
         return RankSpec(
             rank=self.ranks[local_rank],
@@ -151,7 +151,7 @@ def decide(plan: LaunchPlan, options: LaunchOptions) -> LaunchPlan:
 def check_arguments(
     function: Callable[..., Any], args: Sequence[Any], options: LaunchOptions
 ) -> LaunchPlan:
-    """Steps 1 and 2: not inside a worker, then each argument on its own, in the order of the
+    """Steps 1 and 2: not inside a rank, then each argument on its own, in the order of the
     signature. A plan whose ranks, devices, threads and payload :func:`decide` decides."""
     o = options
     _preflight.check_not_nested()
@@ -201,7 +201,7 @@ DEBUG_MODES = ("postmortem",)
 
 _NPROCS_HINT = "For CPU training on a laptop, 2 to 4 is a good choice."
 _NODES_HINT = "Use num_nodes=1 for a launch on this machine only."
-_THREADS_HINT = "Or leave it unset for cores / workers."
+_THREADS_HINT = "Or leave it unset for cores / ranks."
 
 
 def _check_bool(name: str, value: object) -> None:
@@ -404,7 +404,7 @@ def _cores() -> int:
 
 
 def _fork_safe_threads(threads: int | None, explicit: bool) -> tuple[int | None, str | None]:
-    """Threads per forked worker that cannot hang on the kernel's OpenMP pool, and a notice.
+    """Threads per forked rank that cannot hang on the kernel's OpenMP pool, and a notice.
 
     See nb_dist/_openmp.py: the pool is released before forking; where it cannot be, a
     throw-away child tells whether fork with threads would hang, and then the launch uses one
@@ -426,7 +426,7 @@ def _fork_safe_threads(threads: int | None, explicit: bool) -> tuple[int | None,
 
 
 def _kernel_threads() -> int:
-    """Threads a forked worker inherits when the launcher does not set them."""
+    """Threads a forked rank inherits when the launcher does not set them."""
 
     torch = sys.modules.get("torch")
     return int(torch.get_num_threads()) if torch is not None else 1
@@ -446,7 +446,7 @@ def _pickle_for_spawn(function: Callable[..., Any], args: tuple[Any, ...]) -> by
 
 
 def cell_sources() -> dict[str, Any]:
-    """linecache entries of notebook cells, so spawned workers' tracebacks show the code.
+    """linecache entries of notebook cells, so spawned ranks' tracebacks show the code.
 
     Each without a modification time: IPython 7 stamps its entries with one, and linecache
     then drops them in a process where no such file exists (a spawned rank), as a stale file's.

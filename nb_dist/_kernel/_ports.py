@@ -1,6 +1,6 @@
 """The rendezvous store the kernel owns, and what to say when its port is taken.
 
-The kernel hosts torch's ``TCPStore`` for the launch (as torchrun's agent does) and the workers
+The kernel hosts torch's ``TCPStore`` for the launch (as torchrun's agent does) and the ranks
 connect to it as clients (``TORCHELASTIC_USE_AGENT_STORE=True``), so ``init_process_group()``
 and ``Accelerator()`` work unchanged inside the function. With no ``use_port`` the store binds
 port 0 and the OS picks a free port that the store already owns: there is no window in which
@@ -17,7 +17,7 @@ from ._errors import UnsafeLaunchError
 
 # Ports of launches from this kernel that are running now (a second launch from a thread).
 _ports_in_use_here: set[int] = set()
-# Pids of every worker this kernel started, to recognise leftovers of an earlier launch.
+# Pids of every rank this kernel started, to recognise leftovers of an earlier launch.
 started_rank_pids: set[int] = set()
 
 
@@ -82,7 +82,7 @@ def _describe_owner(port: int) -> str:
                 name = "unknown"
             if conn.pid in started_rank_pids:
                 return (
-                    f" by process {conn.pid} ({name}), a worker left over from an earlier "
+                    f" by process {conn.pid} ({name}), a rank left over from an earlier "
                     "launch from this kernel"
                 )
             return f" by process {conn.pid} ({name})"

@@ -1,4 +1,4 @@
-"""Pre-flight checks: refuse a launch, before any worker starts, when it cannot work.
+"""Pre-flight checks: refuse a launch, before any rank starts, when it cannot work.
 
 Each refusal says what was found, why it breaks a launch, and what to do about it (where
 possible without restarting the kernel). None of these checks initializes CUDA in the kernel.
@@ -116,8 +116,8 @@ def check_not_nested() -> None:
     rank = os.environ.get(RANK_ENV_FLAG)
     if rank is not None:
         raise UnsafeLaunchError(
-            f"notebook_launcher was called from inside a launched worker (rank {rank}). A "
-            "launch cannot start workers of its own. Call notebook_launcher from the notebook "
+            f"notebook_launcher was called from inside rank {rank} of a launch. A "
+            "launch cannot start ranks of its own. Call notebook_launcher from the notebook "
             "(the kernel) only, and run the inner work directly in the function."
         )
 
@@ -128,7 +128,7 @@ def check_process_group() -> None:
         return
     raise UnsafeLaunchError(
         "A torch.distributed process group is already initialized in this kernel "
-        f"(backend {dist.get_backend()!r}, world size {dist.get_world_size()}). Workers forked "
+        f"(backend {dist.get_backend()!r}, world size {dist.get_world_size()}). Ranks forked "
         "now would inherit a copy of it that talks to nobody, and their own "
         "init_process_group would fail. Call torch.distributed.destroy_process_group() in the "
         "notebook, keep init_process_group inside the launched function, and launch again."
@@ -150,7 +150,7 @@ def check_accelerate_state() -> None:
     raise UnsafeLaunchError(
         f"An Accelerate {' and '.join(found)} already {'exists' if len(found) == 1 else 'exist'} "
         "in this kernel (an Accelerator() "
-        "or PartialState() was created in a cell). Forked workers would inherit that "
+        "or PartialState() was created in a cell). Forked ranks would inherit that "
         "single-process state instead of building their own for their rank. Create the "
         "Accelerator inside the launched function. To continue without restarting the kernel, "
         "run: from accelerate.state import AcceleratorState; "
@@ -298,7 +298,7 @@ def cuda_poisoned_error(state: CudaState) -> UnsafeLaunchError:
     )
     return UnsafeLaunchError(
         "CUDA was already initialized in this kernel. "
-        f"{where} Workers forked from the kernel now cannot use CUDA: each would fail with "
+        f"{where} Ranks forked from the kernel now cannot use CUDA: each would fail with "
         "'Cannot re-initialize CUDA in forked subprocess'. Even torch.cuda.is_available() "
         "(unless PYTORCH_NVML_BASED_CUDA_CHECK=1, which importing nb_dist sets), creating a "
         "CUDA tensor, or loading a checkpoint onto the GPU in a cell does this. "

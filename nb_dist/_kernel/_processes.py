@@ -1,6 +1,6 @@
-"""Process kinds: how a worker is started, watched, signalled and reaped, behind one interface.
+"""Process kinds: how a rank is started, watched, signalled and reaped, behind one interface.
 
-The supervisor never asks how a worker was started. Each start method is a class with the
+The supervisor never asks how a rank was started. Each start method is a class with the
 same four operations (:class:`RankProcess`); :func:`start` picks one:
 
 - ``fork``: ``os.fork`` of the kernel (cell-defined functions, the kernel's modules and data
@@ -10,9 +10,9 @@ same four operations (:class:`RankProcess`); :func:`start` picks one:
 - ``forkserver``: multiprocessing's fork server forks it, so the kernel is not the parent:
   the exit status comes from multiprocessing's sentinel.
 
-Every worker leads its own process group (it calls ``setpgid(0, 0)`` first thing), so a
+Every rank leads its own process group (it calls ``setpgid(0, 0)`` first thing), so a
 signal to the group reaches what it started too (DataLoader workers, subprocesses), and a
-finished worker's group is killed before it is reaped: nothing outlives a launch.
+finished rank's group is killed before it is reaped: nothing outlives a launch.
 """
 
 from __future__ import annotations
@@ -30,20 +30,20 @@ import warnings
 from multiprocessing.context import BaseContext
 from typing import Any, Protocol
 
-from .._rank._entry import forkserver_main, run_worker
+from .._rank._entry import forkserver_main, run_rank
 from .._rank._spec import RankChannels, RankSpec
 from .._shared._frames import PACKAGE_DIR
 
 
 class RankProcess(Protocol):
-    """One started worker, whatever started it."""
+    """One started rank, whatever started it."""
 
     pid: int
 
     def exit_code(self) -> int | None:
         """The exit code if it has ended (negative: the signal), reaped; else ``None``.
 
-        Kills the worker's leftover process group (grandchildren) before reaping, while the
+        Kills the rank's leftover process group (grandchildren) before reaping, while the
         zombie still reserves the group's id. Asked again, it gives the same code.
         """
 
@@ -57,23 +57,23 @@ class RankProcess(Protocol):
         ``kill_and_reap``): its end was its own, whenever the kernel learned of it."""
 
     def send_signal(self, sig: int) -> None:
-        """Signal its whole process group (and the worker itself, if the group is gone)."""
+        """Signal its whole process group (and the rank itself, if the group is gone)."""
 
     def signal_leader(self, sig: int) -> None:
-        """Signal the worker process alone (a stack request: SIGUSR1 would kill its children).
+        """Signal the rank process alone (a stack request: SIGUSR1 would kill its children).
 
         ``ProcessLookupError`` if it is gone. A rank on another machine is signalled there
         (``nb_dist._cluster``), never by its pid here.
         """
 
     def kill_and_reap(self) -> int:
-        """SIGKILL the group and wait for the worker; its exit code."""
+        """SIGKILL the group and wait for the rank; its exit code."""
 
 
 def start(
     method: str, spec: RankSpec, channels: RankChannels, context: BaseContext | None
 ) -> RankProcess:
-    """Start one worker with ``method`` (``"fork"``, ``"spawn"`` or ``"forkserver"``)."""
+    """Start one rank with ``method`` (``"fork"``, ``"spawn"`` or ``"forkserver"``)."""
     if method == "fork":
         return _Forked(_fork(spec, channels))
     if method == "spawn":
@@ -87,9 +87,9 @@ def start(
 
 
 def forkserver_context(preload: bool | None = None) -> BaseContext:
-    """multiprocessing's fork server, which imports torch and the worker once, when it starts.
+    """multiprocessing's fork server, which imports torch and the rank once, when it starts.
 
-    Without the preload every worker it forks imports torch itself (2-3 s per launch). The
+    Without the preload every rank it forks imports torch itself (2-3 s per launch). The
     server never computes, so it has no OpenMP pool and touches no CUDA: its children keep
     their threads and can use GPUs. ``preload=None`` preloads where this process has torch
     already (a kernel without it does not pay for it); a node's agent says ``True``. A server
@@ -166,7 +166,7 @@ class _Forked:
         return code
 
     def _reap(self, within: float | None = None) -> int | None:
-        """Wait for the worker to end: its exit code, or ``None`` if ``within`` s pass first."""
+        """Wait for the rank to end: its exit code, or ``None`` if ``within`` s pass first."""
         code = reap_within(self.pid, within)
         if code is None:
             return None
@@ -221,7 +221,7 @@ class _FromForkserver:
 
 
 class _Ends:
-    """Whether a worker ended on its own: it was seen ended before any signal to stop it was
+    """Whether a rank ended on its own: it was seen ended before any signal to stop it was
     sent (a kernel that learns of a death late, or a node that reports it late, still knows
     that its stop did not cause it)."""
 
@@ -241,7 +241,7 @@ class _Ends:
 
 
 # ------------------------------------------------------------------ reaping
-#: How long a killed worker may take to be reaped before it is reported and left behind (a
+#: How long a killed rank may take to be reaped before it is reported and left behind (a
 #: process in uninterruptible sleep, e.g. a wedged driver or file system, ignores SIGKILL
 #: until the kernel call returns: waiting for it would wedge the cell).
 REAP_WITHIN = 5.0
@@ -281,9 +281,9 @@ def process_state(pid: int) -> str:
 
 
 def report_unreaped(pid: int, waited: float) -> str:
-    """Say that worker ``pid`` could not be reaped and is left behind; the sentence said."""
+    """Say that rank ``pid`` could not be reaped and is left behind; the sentence said."""
     text = (
-        f"nb_dist: worker process {pid} did not end within {waited:g} s of SIGKILL (state: "
+        f"nb_dist: rank process {pid} did not end within {waited:g} s of SIGKILL (state: "
         f"{process_state(pid)}); it is left behind so that this cell can end. A process in "
         "'D' state waits in the operating system (a driver or a file system); it ends when "
         f"that call returns. If it stays, check `ps -o pid,stat,wchan -p {pid}`."
@@ -295,15 +295,15 @@ def report_unreaped(pid: int, waited: float) -> str:
 
 # ------------------------------------------------------------------ starting
 def _fork(spec: RankSpec, channels: RankChannels) -> int:
-    """Fork one worker. The child never returns from here."""
+    """Fork one rank. The child never returns from here."""
     # Block SIGINT across the fork: a KeyboardInterrupt raised in the child before it reaches
-    # run_worker would unwind a copy of the kernel through the cell's code.
+    # run_rank would unwind a copy of the kernel through the cell's code.
     old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     pid = -1
     try:
         with warnings.catch_warnings():
             # Python >= 3.12 warns that fork() from a multi-threaded process (every Jupyter
-            # kernel) may deadlock in the child. The worker never uses the kernel's threads or
+            # kernel) may deadlock in the child. The rank never uses the kernel's threads or
             # their locks: it replaces stdout/stderr with its own pipes before any output, never
             # touches ZMQ/iopub, and leaves through os._exit. That makes this fork safe.
             warnings.filterwarnings("ignore", category=DeprecationWarning, message=r".*fork\(\)")
@@ -312,7 +312,7 @@ def _fork(spec: RankSpec, channels: RankChannels) -> int:
                 try:
                     signal.signal(signal.SIGINT, signal.SIG_IGN)
                     signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
-                    run_worker(spec, channels, forked=True)
+                    run_rank(spec, channels, forked=True)
                 finally:
                     os._exit(1)
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
@@ -330,11 +330,11 @@ def _fork(spec: RankSpec, channels: RankChannels) -> int:
 
 
 def _spawn(spec: RankSpec, channels: RankChannels) -> subprocess.Popen[bytes]:
-    """Start a fresh interpreter for one worker (no re-import of the caller's __main__)."""
+    """Start a fresh interpreter for one rank (no re-import of the caller's __main__)."""
     fds = channels.named_fds()
     env = dict(os.environ)
     env.update(spec.env)
-    # The worker imports nb_dist before anything else; make sure it finds this copy.
+    # The rank imports nb_dist before anything else; make sure it finds this copy.
     package_root = os.path.dirname(PACKAGE_DIR)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
     process = subprocess.Popen(
@@ -350,7 +350,7 @@ def _spawn(spec: RankSpec, channels: RankChannels) -> subprocess.Popen[bytes]:
         process.stdin.write(pickle.dumps((spec, fds), protocol=pickle.HIGHEST_PROTOCOL))
         process.stdin.close()
     except BrokenPipeError:
-        pass  # the worker died at start; its exit code and stderr tell why
+        pass  # the rank died at start; its exit code and stderr tell why
     return process
 
 

@@ -58,7 +58,7 @@ class Run:
     observer: Observer | None
     reports: Reports = field(default_factory=Reports)
     policy: Policy = LAUNCH
-    #: Modules the workers imported that the kernel lacks (see ``_warm.py``).
+    #: Modules the ranks imported that the kernel lacks (see ``_warm.py``).
     imports: set[str] = field(default_factory=set)
     #: When the first rank finished well (the straggler notice counts from there).
     first_finish: float | None = None

@@ -39,7 +39,7 @@ class Rendezvous:
 
 
 class Rank:
-    """One worker: started by the supervisor, fed by its pipes, finalized once it ended."""
+    """One rank: started by the supervisor, fed by its pipes, finalized once it ended."""
 
     def __init__(self, index: int, rank: int, local_rank: int | None = None) -> None:
         #: This rank's index among the kernel's ranks (its pipes, its output's place, its log).
@@ -49,7 +49,7 @@ class Rank:
         self.outcome = RankOutcome(rank=rank, local_rank=self.local_rank, status="starting")
         self.process: RankProcess | None = None
         self.pipes: dict[str, Connection] = {}
-        self.commands: Connection | None = None  # kernel → worker
+        self.commands: Connection | None = None  # kernel → rank
         self.control: _protocol.ControlReader | None = None  # reads pipes["control"]
         self.splitters = {"stdout": LineSplitter(), "stderr": LineSplitter()}
         self.stack = bytearray()
@@ -150,9 +150,9 @@ class Rank:
         return self.outcome.status in FINAL
 
     def open_pipes(self) -> dict[str, Connection]:
-        """Create this rank's pipes; keep the kernel's ends, return the worker's.
+        """Create this rank's pipes; keep the kernel's ends, return the rank's.
 
-        Four carry what the worker says (the kernel reads them); ``commands`` goes the other
+        Four carry what the rank says (the kernel reads them); ``commands`` goes the other
         way (the debugger's answers, a live rank's tasks)."""
         ends = {kind: multiprocessing.Pipe(duplex=False) for kind in PIPES}
         widen(ends["control"][0])  # a large value leaves the rank in 1 MB writes
@@ -163,11 +163,11 @@ class Rank:
         return theirs
 
     def kernel_ends(self) -> list[Connection]:
-        """Every pipe end the kernel holds for this rank (a forked worker closes them all)."""
+        """Every pipe end the kernel holds for this rank (a forked rank closes them all)."""
         return [*self.pipes.values(), *([self.commands] if self.commands is not None else [])]
 
     def send(self, command: _protocol.Command) -> bool:
-        """Send a command to the worker; False if it can no longer receive one."""
+        """Send a command to the rank; False if it can no longer receive one."""
         if self.commands is None or self.commands.closed:
             return False
         try:
@@ -177,7 +177,7 @@ class Rank:
         return True
 
     def settle(self) -> RankStatus:
-        """Record how the finished worker ended (exit status, exception, duration); the
+        """Record how the finished rank ended (exit status, exception, duration); the
         status that follows from it."""
         out, code, failure = self.outcome, self.returncode, self.failure
         out.duration = self.result.duration if self.result is not None else None
@@ -207,8 +207,8 @@ class Rank:
         out.traceback = relabel_cells(failure.traceback)
 
     def ask_for_stack(self) -> bool:
-        """Ask the worker for its Python stack (SIGUSR1 → faulthandler); False if it cannot
-        answer (only workers that said hello have faulthandler, SIGUSR1 would kill others)."""
+        """Ask the rank for its Python stack (SIGUSR1 → faulthandler); False if it cannot
+        answer (only ranks that said hello have faulthandler, SIGUSR1 would kill others)."""
         if not (self.alive and self.thread_ident is not None and self.process is not None):
             return False
         self.stack.clear()
@@ -219,7 +219,7 @@ class Rank:
         return True
 
     def read_stack(self) -> list[Frame]:
-        """The stack the worker dumped (its function's thread), also kept on the outcome."""
+        """The stack the rank dumped (its function's thread), also kept on the outcome."""
         dump = self.stack.decode("utf-8", "replace")
         frames = parse_fault_dump(dump, self.thread_ident)
         self.outcome.stack = format_frames(frames)
@@ -272,7 +272,7 @@ class Rank:
                 item = _protocol.on_kernel_clock(item, self.clock_offset)
             arrived.append(item)
         if self.control.closed and self.control_closed_at is None:
-            # A value cut off here means the worker died while sending it (e.g. the OOM
+            # A value cut off here means the rank died while sending it (e.g. the OOM
             # killer): its exit status tells the user what happened.
             self.control_closed_at = time.monotonic()
         return arrived

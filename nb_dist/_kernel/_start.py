@@ -2,11 +2,11 @@
 
 Each rank gets five pipes (four to the kernel, ``commands`` from it; see ``_protocol.py``) and
 two shared ones, the **lifeline** (the kernel keeps its only write end; when the kernel dies,
-every worker reads EOF and kills itself, besides the parent-death signal) and the **start
+every rank reads EOF and kills itself, besides the parent-death signal) and the **start
 gate** (no rank runs user code before all are started; ``_rank/_entry._wait_for_gate``),
 both from ``_shared/_starting.py``, which a cluster node's agent uses too.
 
-A forked worker closes every kernel-side end it inherited (other ranks' read ends, the
+A forked rank closes every kernel-side end it inherited (other ranks' read ends, the
 lifeline's and the gate's write ends), or EOF would never come.
 """
 
@@ -57,7 +57,7 @@ def start_all(method: str, ranks: list[Rank], spec_for: SpecFor) -> Connection:
                     method, spec_for(rank.index, kernel_fds), channels, context
                 )
             finally:
-                for writer in writers.values():  # the worker has its own copies now
+                for writer in writers.values():  # the rank has its own copies now
                     writer.close()
             rank.attach(process)
     _kernel_ends.update([gate.lifeline, *(c for rank in ranks for c in rank.kernel_ends())])

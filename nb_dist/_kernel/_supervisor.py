@@ -1,9 +1,9 @@
-"""The kernel side of one launch attempt: start the workers, watch them, stop them.
+"""The kernel side of one launch attempt: start the ranks, watch them, stop them.
 
 Everything here runs in the thread that called the launcher (the cell's thread), in one
-``select`` loop: worker output is written by that thread, so it lands in the launching cell;
-an interrupt arrives there as ``KeyboardInterrupt`` and tears the workers down; and every
-worker is reaped and every pipe drained before control returns to the cell.
+``select`` loop: rank output is written by that thread, so it lands in the launching cell;
+an interrupt arrives there as ``KeyboardInterrupt`` and tears the ranks down; and every
+rank is reaped and every pipe drained before control returns to the cell.
 
 Where the ranks run is the supervisor's one injected part, its :class:`RankHost`: this
 machine (``_local.LocalHost``) or a cluster's node agents (``_cluster/_remote_run.ClusterHost``);
@@ -12,7 +12,7 @@ a failure is the other: its :class:`~_pump.Policy` (``policy=``, a launch's by d
 
 A launch calls :meth:`Supervisor.run`. Live ranks (``_live/_session.py``) hold a supervisor
 and drive its loop task by task through a small public surface (see :class:`Supervisor`);
-the rest stays private. How a worker is started and reaped is in ``_processes.py``, what it
+the rest stays private. How a rank is started and reaped is in ``_processes.py``, what it
 says on its control pipe in ``_protocol.py``, and what a stuck or failed launch means in
 ``_diagnosis.py``. A rank's status changes in one place, :meth:`Supervisor.set_status`.
 """
@@ -45,7 +45,7 @@ from ._plan import LaunchPlan
 from ._pump import LAUNCH, Policy, Pump, Run, poll_exit
 from ._rank_handle import FINAL, Rank
 
-# How long a stopped worker gets between SIGTERM and SIGKILL; keeps "stopped within 1 s".
+# How long a stopped rank gets between SIGTERM and SIGKILL; keeps "stopped within 1 s".
 STOP_GRACE = 0.4
 # A partial line (no newline yet) is shown after this long anyway.
 PARTIAL_LINE_AFTER = 1.0
@@ -113,7 +113,7 @@ class Supervisor:
         #: holds this loop, begins a fresh one for each task (:meth:`begin_run`).
         self.current = Run(self.ranks, router, observer, policy=policy)
         self._pump = Pump()
-        self._lifeline: Connection | None = None  # its EOF tells the workers the kernel died
+        self._lifeline: Connection | None = None  # its EOF tells the ranks the kernel died
         #: The failed rank kept for a post-mortem (``debug="postmortem"``), if any.
         self.held: Rank | None = None
         self._post_mortem_given = False  # the held rank went to the error's PostMortem
@@ -165,23 +165,23 @@ class Supervisor:
             self._drain_and_reap()
             raise
         finally:
-            for worker in self.current.ranks:  # last line of defence (a second interrupt)
-                if worker is not self.held:
-                    worker.kill(stop=False)
+            for rank in self.current.ranks:  # last line of defence (a second interrupt)
+                if rank is not self.held:
+                    rank.kill(stop=False)
             self.close()
 
-    def set_status(self, worker: Rank, status: RankStatus) -> None:
+    def set_status(self, rank: Rank, status: RankStatus) -> None:
         """The one place a rank's status changes; the live view hears of every change."""
-        was_final = worker.finished
-        worker.outcome.status = status
+        was_final = rank.finished
+        rank.outcome.status = status
         if status == "ok" and not was_final:  # a launch's rank ended well, a live rank is idle
             self.current.first_finish = self.current.first_finish or time.monotonic()
         if self.current.observer is None:
             return
         if status == "running":
-            self.current.observer.started(worker.index)
+            self.current.observer.started(rank.index)
         elif status in FINAL and not was_final:
-            self.current.observer.finished(worker.index, worker.outcome)
+            self.current.observer.finished(rank.index, rank.outcome)
 
     # ----------------------------------------------------------------- start
     def _start_all(self) -> None:
@@ -189,12 +189,12 @@ class Supervisor:
         try:
             self._lifeline = self.host.start(self)
         finally:
-            for worker in self.ranks:
-                self._pump.add(worker)
+            for rank in self.ranks:
+                self._pump.add(rank)
 
     # ----------------------------------------------------------------- watch
     def watch(self, deadline: float | None) -> bool:
-        """Pump events until every worker has ended. Returns True if the deadline passed."""
+        """Pump events until every rank has ended. Returns True if the deadline passed."""
         run = self.current
         while not all(w.finished for w in run.ranks):
             now = time.monotonic()
@@ -239,8 +239,8 @@ class Supervisor:
                 each()
         return True
 
-    def _handle(self, worker: Rank, message: _protocol.Message) -> None:
-        status = worker.handle(
+    def _handle(self, rank: Rank, message: _protocol.Message) -> None:
+        status = rank.handle(
             message,
             self.current.router,
             self.current.observer,
@@ -248,7 +248,7 @@ class Supervisor:
             self.current.imports,
         )
         if status is not None:
-            self.set_status(worker, status)
+            self.set_status(rank, status)
         if isinstance(message, _protocol.Rendezvous) and all(
             w.rendezvous.done for w in self.current.ranks
         ):
@@ -259,17 +259,17 @@ class Supervisor:
     def _answer_debuggers(self) -> None:
         """A rank stopped in pdb (``nb_dist.breakpoint``): its prompts are answered from the
         cell, here, before anything else (the others wait in their collectives meanwhile)."""
-        for worker in self.current.ranks:
-            if worker is self.held or not (worker.debugging or worker.prompt is not None):
+        for rank in self.current.ranks:
+            if rank is self.held or not (rank.debugging or rank.prompt is not None):
                 continue
-            if worker.failure is not None and not self.current.policy.answers_post_mortems:
+            if rank.failure is not None and not self.current.policy.answers_post_mortems:
                 continue  # a launch keeps a failed rank for %debug (see _hold_for_post_mortem)
             began = time.monotonic()
             if self.current.observer is not None:
-                self.current.observer.paused(worker.index, True)
-            _prompts.converse(worker, self._read_and_poll)
-            if self.current.observer is not None and worker.alive:
-                self.current.observer.paused(worker.index, False)
+                self.current.observer.paused(rank.index, True)
+            _prompts.converse(rank, self._read_and_poll)
+            if self.current.observer is not None and rank.alive:
+                self.current.observer.paused(rank.index, False)
             paused = time.monotonic() - began
             self.current.paused_for += paused  # time at a prompt is neither work nor a hang
             if self.current.failed_at is not None:
@@ -283,28 +283,28 @@ class Supervisor:
     def poll_processes(self) -> None:
         """Notice the current run's ranks that ended (a rank never started is ``stopped``)."""
         now = time.monotonic()
-        for worker in self.current.ranks:
-            if worker.process is None:  # never started (the start of an earlier rank failed)
-                if not worker.finished:
-                    self.set_status(worker, "stopped")
+        for rank in self.current.ranks:
+            if rank.process is None:  # never started (the start of an earlier rank failed)
+                if not rank.finished:
+                    self.set_status(rank, "stopped")
                 continue
-            poll_exit(worker, now)
-            if not worker.finished and not worker.alive:
-                control_done = worker.control_closed_at is not None
-                if control_done or now - (worker.exited_at or now) > DRAIN_AFTER_EXIT:
-                    self._finalize(worker)
+            poll_exit(rank, now)
+            if not rank.finished and not rank.alive:
+                control_done = rank.control_closed_at is not None
+                if control_done or now - (rank.exited_at or now) > DRAIN_AFTER_EXIT:
+                    self._finalize(rank)
 
-    def _finalize(self, worker: Rank) -> None:
-        """Decide a finished worker's outcome (its control pipe is drained by now)."""
-        self.set_status(worker, worker.settle())
+    def _finalize(self, rank: Rank) -> None:
+        """Decide a finished rank's outcome (its control pipe is drained by now)."""
+        self.set_status(rank, rank.settle())
 
     def _flush_stale_partials(self) -> None:
         now = time.monotonic()
-        for worker in self.current.ranks:
-            for kind, splitter in worker.splitters.items():
+        for rank in self.current.ranks:
+            for kind, splitter in rank.splitters.items():
                 since = splitter.pending_since
                 if since is not None and now - since > PARTIAL_LINE_AFTER:
-                    self.current.router.lines(worker.index, kind, splitter.flush())
+                    self.current.router.lines(rank.index, kind, splitter.flush())
 
     def _check_failures(self) -> None:
         if self.current.policy.on_failure is not None:
@@ -312,24 +312,24 @@ class Supervisor:
             return
         if self.current.failure_seen:
             return
-        for worker in self.current.ranks:
-            failed_exit = not worker.alive and worker.returncode not in (None, 0)
+        for rank in self.current.ranks:
+            failed_exit = not rank.alive and rank.returncode not in (None, 0)
             if (
-                worker.failure is not None
-                or (failed_exit and not worker.stop_requested)
-                or (worker.outcome.status == "failed")
+                rank.failure is not None
+                or (failed_exit and not rank.stop_requested)
+                or (rank.outcome.status == "failed")
             ):
                 self.current.failure_seen = True
-                self._hold_for_post_mortem(worker)
+                self._hold_for_post_mortem(rank)
                 self.stop_all()
                 return
 
-    def _hold_for_post_mortem(self, worker: Rank) -> None:
+    def _hold_for_post_mortem(self, rank: Rank) -> None:
         """``debug="postmortem"``: the first rank to fail stays at its exception, not stopped."""
-        if self.config.debug != "postmortem" or worker.failure is None or not worker.alive:
+        if self.config.debug != "postmortem" or rank.failure is None or not rank.alive:
             return
-        self.held = worker
-        self.set_status(worker, worker.settle())
+        self.held = rank
+        self.set_status(rank, rank.settle())
 
     def _check_stragglers(self) -> None:
         limit = self.config.hang_notice_after
@@ -337,19 +337,19 @@ class Supervisor:
         if waited is None:
             return
         finished = [w.outcome.rank for w in self.current.ranks if w.outcome.status == "ok"]
-        for worker in self.current.ranks:
-            noticed = worker.index in self.current.hang_noticed
-            if worker.finished or not worker.alive or noticed:
+        for rank in self.current.ranks:
+            noticed = rank.index in self.current.hang_noticed
+            if rank.finished or not rank.alive or noticed:
                 continue
-            self.current.hang_noticed.add(worker.index)
-            returned = worker.outcome.returned_at
+            self.current.hang_noticed.add(rank.index)
+            returned = rank.outcome.returned_at
             if returned is not None:
                 ago = time.monotonic() - returned
-                self.current.router.notice(_diagnosis.teardown_notice(worker.outcome.rank, ago))
+                self.current.router.notice(_diagnosis.teardown_notice(rank.outcome.rank, ago))
                 continue
-            frames = self.stacks([worker]).get(worker.index, [])
+            frames = self.stacks([rank]).get(rank.index, [])
             notice = _diagnosis.straggler_notice(
-                worker.outcome.rank, waited, finished, frames, self.current.policy.limit_hint
+                rank.outcome.rank, waited, finished, frames, self.current.policy.limit_hint
             )
             self.current.router.notice(notice)
 
@@ -368,9 +368,9 @@ class Supervisor:
             raise self._rendezvous_error(limit)
 
     # ----------------------------------------------------------------- stacks
-    def stacks(self, workers: list[Rank]) -> dict[int, list[_diagnosis.Frame]]:
-        """Ask live workers for their Python stacks (SIGUSR1 → faulthandler) and parse them."""
-        asked = [worker for worker in workers if worker.ask_for_stack()]
+    def stacks(self, ranks: list[Rank]) -> dict[int, list[_diagnosis.Frame]]:
+        """Ask live ranks for their Python stacks (SIGUSR1 → faulthandler) and parse them."""
+        asked = [rank for rank in ranks if rank.ask_for_stack()]
         deadline = time.monotonic() + 0.5
         quiet_since: float | None = None
         while asked and time.monotonic() < deadline:
@@ -382,45 +382,45 @@ class Supervisor:
                     break
             else:
                 quiet_since = None
-        return {worker.index: worker.read_stack() for worker in asked}
+        return {rank.index: rank.read_stack() for rank in asked}
 
     # ----------------------------------------------------------------- stop
     def stop_all(self) -> None:
-        """SIGTERM every live worker's process group, then SIGKILL what is left after a grace."""
+        """SIGTERM every live rank's process group, then SIGKILL what is left after a grace."""
         live = [w for w in self.current.ranks if w.alive and w is not self.held]
-        for worker in live:
-            worker.request_stop()
-            assert worker.process is not None
-            worker.process.send_signal(signal.SIGTERM)
+        for rank in live:
+            rank.request_stop()
+            assert rank.process is not None
+            rank.process.send_signal(signal.SIGTERM)
         self.read_until(lambda: not any(w.alive for w in live), STOP_GRACE)
-        for worker in live:
-            if worker.alive and worker.process is not None:
-                worker.process.send_signal(signal.SIGKILL)
+        for rank in live:
+            if rank.alive and rank.process is not None:
+                rank.process.send_signal(signal.SIGKILL)
 
     def _drain_and_reap(self) -> None:
-        workers = self.current.ranks
+        ranks = self.current.ranks
         if not self.read_until(
-            lambda: all(w.finished for w in workers), DRAIN_AFTER_EXIT + STOP_GRACE
+            lambda: all(w.finished for w in ranks), DRAIN_AFTER_EXIT + STOP_GRACE
         ):
-            for worker in workers:
-                worker.kill()
-                if not worker.finished:
-                    self._finalize(worker)
-        for worker in workers:
-            worker.drain_streams(self.current.router)  # its last lines, if still in the pipe
-            for kind, splitter in worker.splitters.items():
-                self.current.router.lines(worker.index, kind, splitter.flush())
+            for rank in ranks:
+                rank.kill()
+                if not rank.finished:
+                    self._finalize(rank)
+        for rank in ranks:
+            rank.drain_streams(self.current.router)  # its last lines, if still in the pipe
+            for kind, splitter in rank.splitters.items():
+                self.current.router.lines(rank.index, kind, splitter.flush())
 
     def close(self) -> None:
         """Stop reading and close the kernel's pipe ends (a held rank's stay open), then the
         lifeline and the host, unless a held rank's post-mortem ends them later."""
-        for worker in self.ranks:
-            for conn in worker.pipes.values():
+        for rank in self.ranks:
+            for conn in rank.pipes.values():
                 self._pump.remove(conn)
-                if worker is not self.held:
+                if rank is not self.held:
                     conn.close()
-            if worker.commands is not None and worker is not self.held:
-                worker.commands.close()
+            if rank.commands is not None and rank is not self.held:
+                rank.commands.close()
         self._pump.close()
         if self.held is not None and self.held.alive:
             return  # the lifeline and the host now end with the post-mortem (see _result)
@@ -441,9 +441,9 @@ class Supervisor:
                 durations=[o.duration for o in outcomes],
             )
         root, collateral = _diagnosis.root_cause(outcomes)
-        for worker in self.current.ranks:
-            if worker.outcome in collateral:
-                self.set_status(worker, "collateral")
+        for rank in self.current.ranks:
+            if rank.outcome in collateral:
+                self.set_status(rank, "collateral")
         logs = self.logs()
         # The root's log by its place among this kernel's ranks (its LOCAL_RANK is its place
         # on its node: on a cluster every node has a LOCAL_RANK 0).
@@ -515,9 +515,9 @@ class Supervisor:
         error = RendezvousTimeoutError(text, limit, stacks, outcomes, self.logs())
         return self.with_reports(error)
 
-    def counter_file(self, worker: Rank) -> str | None:
+    def counter_file(self, rank: Rank) -> str | None:
         """The rank's collective counter file (``_collectives.py``), if it has one."""
-        return self.rank_envs[worker.index].get(COLLECTIVES_ENV)
+        return self.rank_envs[rank.index].get(COLLECTIVES_ENV)
 
     def logs(self) -> list[str]:
         """The current run's log text, one per rank, for an error."""

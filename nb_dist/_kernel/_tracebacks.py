@@ -1,8 +1,8 @@
-"""Tracebacks and live stacks from workers, written the way IPython writes them.
+"""Tracebacks and live stacks from ranks, written the way IPython writes them.
 
-Workers report file names such as ``/tmp/ipykernel_123/2803.py``; the kernel knows that this
+Ranks report file names such as ``/tmp/ipykernel_123/2803.py``; the kernel knows that this
 file is ``Cell In[5]``. These helpers relabel such names in the kernel, and turn a raw
-``faulthandler`` dump of a blocked worker into a readable "most recent call last" stack.
+``faulthandler`` dump of a blocked rank into a readable "most recent call last" stack.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def relabel_cells(text: str) -> str:
 def parse_fault_dump(dump: str, thread_ident: int | None) -> list[tuple[str, int, str]]:
     """Frames (file, line, function), most recent last, of one thread in a faulthandler dump.
 
-    ``thread_ident`` picks the thread (the worker's main thread); with ``None`` the first
+    ``thread_ident`` picks the thread (the rank's main thread); with ``None`` the first
     block is used.
     """
     blocks: list[tuple[int | None, list[tuple[str, int, str]]]] = []
@@ -147,10 +147,10 @@ def parse_fault_dump(dump: str, thread_ident: int | None) -> list[tuple[str, int
 
 
 def rank_frames(frames: list[tuple[str, int, str]]) -> list[tuple[str, int, str]]:
-    """Drop the frames below the worker's entry point (most recent last).
+    """Drop the frames below the rank's entry point (most recent last).
 
-    A forked worker's stack still holds the frames of whatever called the launcher in the
-    kernel (IPython, pytest, ...) below nb_dist's worker entry: they are not the rank's work.
+    A forked rank's stack still holds the frames of whatever called the launcher in the
+    kernel (IPython, pytest, ...) below nb_dist's rank entry: they are not the rank's work.
     """
     entry = [i for i, f in enumerate(frames) if os.path.abspath(f[0]) == ENTRY_FILE]
     return frames[entry[-1] + 1 :] if entry else frames
@@ -172,7 +172,7 @@ def format_frames(frames: list[tuple[str, int, str]]) -> str:
 
 
 def innermost_user_frame(frames: list[tuple[str, int, str]]) -> str | None:
-    """Short "``dist.all_reduce(t)`` at Cell In[5], line 9, in train" for a blocked worker.
+    """Short "``dist.all_reduce(t)`` at Cell In[5], line 9, in train" for a blocked rank.
 
     The deepest frame is usually inside torch; what a learner needs is the line of their own
     code that led there, so report the innermost frame whose file is not in a library.
@@ -191,9 +191,9 @@ def innermost_user_frame(frames: list[tuple[str, int, str]]) -> str | None:
 
 
 def blocked_place(frames: list[tuple[str, int, str]]) -> str:
-    """Where a blocked worker is, for a learner: their own line, or what the native code is.
+    """Where a blocked rank is, for a learner: their own line, or what the native code is.
 
-    With no frame of the user's code, a stack whose innermost frame is the worker's own call
+    With no frame of the user's code, a stack whose innermost frame is the rank's own call
     of the function means the function has returned and native code is freeing its local
     variables (a DDP model whose process group was destroyed first can hang there).
     """

@@ -1,15 +1,15 @@
-"""Warm relaunches: later launches inherit what earlier launches' workers had to import.
+"""Warm relaunches: later launches inherit what earlier launches' ranks had to import.
 
-A forked worker starts with every module the kernel has. ``DistributedDataParallel(...)``
+A forked rank starts with every module the kernel has. ``DistributedDataParallel(...)``
 imports ``torch._dynamo`` (about 800 modules, 1.5-3 s) the first time it runs, and the kernel
-never does, so every launch of a DDP training cell paid it again, in every worker. Now each
-forked worker tells the kernel which modules it imported that the kernel lacks; after the
-launch the kernel imports the safe ones in a background thread, and the next launch's workers
+never does, so every launch of a DDP training cell paid it again, in every rank. Now each
+forked rank tells the kernel which modules it imported that the kernel lacks; after the
+launch the kernel imports the safe ones in a background thread, and the next launch's ranks
 inherit them: a re-run DDP cell starts as fast as a trivial launch.
 
 What is imported: only modules under ``SAFE_ROOTS`` (``_shared/_imports.py``: torch's
 pure-Python subpackages and the libraries they pull in), never on spawn/forkserver launches
-(their workers do not inherit the kernel's modules). Importing them starts no thread and does
+(their ranks do not inherit the kernel's modules). Importing them starts no thread and does
 not touch CUDA; both are checked after each import (thread count, and the CUDA first-touch
 recorder), and warming is switched off for the rest of the kernel, with a notice, if either
 happens. Every fork in the kernel (a launch's ranks, its probes, a restart, live ranks
@@ -109,7 +109,7 @@ def take_notice() -> str | None:
         _disabled_because = "said:" + reason
         return (
             f"Warm relaunches are off for this kernel: {reason}. Later launches import what "
-            "their workers need themselves, as the first did."
+            "their ranks need themselves, as the first did."
         )
     return None
 

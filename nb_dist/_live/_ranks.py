@@ -1,9 +1,9 @@
 """``nb_dist.Ranks``: N ranks that stay up across cells, each with its own namespace.
 
 Where a launch is one function, start to finish, a :class:`Ranks` session keeps its
-workers (and their process group) alive, so a walkthrough can go one step per cell: build
+ranks (and their process group) alive, so a walkthrough can go one step per cell: build
 the model on every rank, look at each rank's gradients, all-reduce, look again. The ranks
-are the launcher's workers, started and watched by the same pieces (``_plan`` checks,
+are the launcher's ranks, started and watched by the same pieces (``_plan`` checks,
 ``_start``, the supervisor's loop, ``_diagnosis``), serving tasks (``_serve.py``) under a
 :class:`~_session.SessionSupervisor`; every cell inherits the launcher's contract: labelled
 output in the cell, root causes, timeouts with stacks, interrupts, no orphans.

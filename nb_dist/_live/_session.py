@@ -1,7 +1,7 @@
 """The kernel side of live ranks: the supervisor's ranks kept alive across tasks.
 
 A :class:`SessionSupervisor` holds a launch's :class:`~_supervisor.Supervisor`, its
-``loop``, whose workers serve tasks (``_serve.py``) instead of running one function and
+``loop``, whose ranks serve tasks (``_serve.py``) instead of running one function and
 exiting. The loop starts the ranks and does the ``select`` loop, output routing, stacks,
 watchdogs and teardown, through its public surface; the session gives it a fresh
 :class:`~_pump.Run` for each task, with that task's :class:`~_pump.Policy` (the part that
@@ -145,13 +145,13 @@ class SessionSupervisor:
         if self._closed:
             return
         self._closed = True
-        for worker in self.ranks:
-            if worker.commands is not None and not worker.commands.closed:
-                worker.commands.close()  # EOF: the rank's loop ends
+        for rank in self.ranks:
+            if rank.commands is not None and not rank.commands.closed:
+                rank.commands.close()  # EOF: the rank's loop ends
         self._begin(self.ranks, self.loop.current.router, _BETWEEN)
         self.loop.read_until(lambda: not any(w.alive for w in self.ranks), CLOSE_GRACE)
-        for worker in self.ranks:
-            worker.kill()
+        for rank in self.ranks:
+            rank.kill()
         self.loop.close()
 
     @property
@@ -217,10 +217,10 @@ class SessionSupervisor:
         self.task_count += 1
         self._freed = ""
         try:
-            for worker in self.loop.current.ranks:
-                worker.begin_task()
-                self.loop.set_status(worker, "running")
-                worker.task_sent(command_for(worker))
+            for rank in self.loop.current.ranks:
+                rank.begin_task()
+                self.loop.set_status(rank, "running")
+                rank.task_sent(command_for(rank))
             deadline = None if timeout is None else time.monotonic() + timeout
             try:
                 timed_out = self.loop.watch(deadline)
@@ -229,9 +229,9 @@ class SessionSupervisor:
             if timed_out:
                 raise self._task_timeout(timeout or 0.0)
             self.loop.read(0.0)  # output written just before the last Idle
-            for worker in self.loop.current.ranks:
-                for kind, splitter in worker.splitters.items():
-                    router.lines(worker.index, kind, splitter.flush())
+            for rank in self.loop.current.ranks:
+                for kind, splitter in rank.splitters.items():
+                    router.lines(rank.index, kind, splitter.flush())
             return self.loop.result()
         finally:
             # Between tasks the session watches every rank, and nobody observes it.
@@ -357,8 +357,8 @@ class SessionSupervisor:
         did not end well within ``limit`` s."""
         payload = _shipping.dumps((function, args, {}))
         failures = {w.index: w.failure for w in ranks}
-        for worker in ranks:
-            worker.task_sent(_protocol.Call(0, payload))
+        for rank in ranks:
+            rank.task_sent(_protocol.Call(0, payload))
         self.loop.read_until(lambda: all(_idle(w) for w in ranks), limit)
         return [w for w in ranks if not _idle(w) or w.failure is not failures[w.index]]
 
@@ -417,13 +417,13 @@ class SessionSupervisor:
         if not _watchdogs.interrupt_due(marks.interrupted, marks.last_interrupt, now):
             return
         marks.interrupted, marks.last_interrupt = True, now
-        for worker in running:
-            if worker.prompt is not None:
+        for rank in running:
+            if rank.prompt is not None:
                 # At a pdb prompt the rank waits for a line, not a signal: quit its debugger
                 # (a breakpoint's function raises BdbQuit; a post-mortem ends).
-                worker.quit_debugger()
-            elif worker.process is not None and not worker.debugging:
-                worker.process.send_signal(signal.SIGINT)
+                rank.quit_debugger()
+            elif rank.process is not None and not rank.debugging:
+                rank.process.send_signal(signal.SIGINT)
 
     def _give_up(self, reason: str) -> None:
         self.lost = Lost(reason, dead_rank=False)
@@ -490,9 +490,9 @@ class SessionSupervisor:
         return self.loop.with_reports(error)
 
 
-def _idle(worker: Rank) -> bool:
-    """Whether ``worker`` has finished every command it was sent (alive or not)."""
-    return worker.idle_task == worker.tasks_sent or not worker.alive
+def _idle(rank: Rank) -> bool:
+    """Whether ``rank`` has finished every command it was sent (alive or not)."""
+    return rank.idle_task == rank.tasks_sent or not rank.alive
 
 
 def _plural(count: int) -> str:

@@ -1,4 +1,4 @@
-"""The worker side of debugging a rank: pdb driven from the notebook over the rank's pipes.
+"""The rank side of debugging a rank: pdb driven from the notebook over the rank's pipes.
 
 A rank's stdin is ``/dev/null`` (nobody could type into it), so a plain ``pdb`` would read
 EOF and go on. Here pdb reads and writes through :class:`_PromptIO`: each time it wants a
@@ -38,7 +38,7 @@ Send = Callable[[_protocol.Message], None]
 
 
 class _State:
-    """Where this rank's debugger talks: set by :func:`install` in every worker."""
+    """Where this rank's debugger talks: set by :func:`install` in every rank."""
 
     send: Send | None = None
     commands: Connection | None = None

@@ -1,6 +1,6 @@
 """Runs in each rank's process: its entry point, from the fork (or spawn) to ``os._exit``.
 
-A forked worker starts as a copy of the kernel, threads gone but sockets, streams and signal
+A forked rank starts as a copy of the kernel, threads gone but sockets, streams and signal
 handlers inherited. Before running any user code it cuts every tie to the kernel: its own
 process group, its own stdout/stderr pipes (never the kernel's ZMQ/iopub machinery), death
 when the kernel dies, and the standard torch.distributed environment. Then it runs one
@@ -39,18 +39,18 @@ _KERNEL_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGUSR1}
 
 
 def spawn_main() -> None:
-    """Entry point of a worker started with ``spawn``: its spec arrives on stdin."""
+    """Entry point of a rank started with ``spawn``: its spec arrives on stdin."""
     spec, fds = pickle.loads(sys.stdin.buffer.read())
     channels = RankChannels(**{name: Connection(fd) for name, fd in fds.items()})
-    run_worker(spec, channels, forked=False)
+    run_rank(spec, channels, forked=False)
 
 
 def forkserver_main(spec: RankSpec, channels: RankChannels) -> None:
-    """Entry point of a worker started by multiprocessing's ``forkserver``."""
-    run_worker(spec, channels, forked=False)
+    """Entry point of a rank started by multiprocessing's ``forkserver``."""
+    run_rank(spec, channels, forked=False)
 
 
-def run_worker(spec: RankSpec, channels: RankChannels, forked: bool) -> None:
+def run_rank(spec: RankSpec, channels: RankChannels, forked: bool) -> None:
     """Run one rank to completion and leave the process with ``os._exit``; never returns."""
     code = 1
     try:
@@ -84,7 +84,7 @@ def _run(spec: RankSpec, channels: RankChannels, forked: bool) -> int:
 def _detach_from_kernel(spec: RankSpec, channels: RankChannels, forked: bool) -> None:
     """Cut every tie to the kernel before user code runs."""
     # Own process group: Jupyter's interrupt (sent to the kernel's whole group) must reach the
-    # kernel only; the kernel then stops the workers itself, in order.
+    # kernel only; the kernel then stops the ranks itself, in order.
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)
     _die_with_parent(spec)
@@ -148,7 +148,7 @@ def _wait_for_gate(gate: Connection) -> None:
 
 
 def _die_with_parent(spec: RankSpec) -> None:
-    """Ask Linux to SIGKILL this worker when the process that started it dies."""
+    """Ask Linux to SIGKILL this rank when the process that started it dies."""
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL(None, use_errno=True)
@@ -185,7 +185,7 @@ def _close_quietly(fd: int) -> None:
 def _close_inherited_listeners(keep: set[int]) -> None:
     """Close listening sockets inherited from the kernel (its ZMQ ports, the rendezvous store).
 
-    A worker that outlives the kernel for a moment must not keep the kernel's ports bound, or a
+    A rank that outlives the kernel for a moment must not keep the kernel's ports bound, or a
     restarted kernel cannot bind them again. Connected sockets a user opened are left alone.
     """
     try:
@@ -212,7 +212,7 @@ def _close_inherited_listeners(keep: set[int]) -> None:
 
 
 def _silence_inherited_display() -> None:
-    """Make ``display()`` in a forked worker print text, not publish on the kernel's iopub."""
+    """Make ``display()`` in a forked rank print text, not publish on the kernel's iopub."""
     ipython = sys.modules.get("IPython")
     if ipython is None:
         return
@@ -235,7 +235,7 @@ _WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 def _forward_display(send: Callable[[_protocol.Message], None]) -> None:
     """Send ``display()`` output (HTML, images, figures, updates) to the kernel to show.
 
-    The worker's copy of the kernel's shell formats objects as usual (``_repr_html_``,
+    The rank's copy of the kernel's shell formats objects as usual (``_repr_html_``,
     matplotlib's inline backend, ``display_id`` handles); only the publishing step, which
     would write to the kernel's iopub socket, is replaced by a message to the kernel, which
     publishes the bundle in the launching cell (or prints its text where no frontend is).
@@ -257,7 +257,7 @@ def _forward_display(send: Callable[[_protocol.Message], None]) -> None:
     ) -> None:
         flush_all()  # what was printed before the display arrives before it
         if _WIDGET_VIEW in data:
-            # A widget's model lives in this worker, whose comm messages cannot reach the
+            # A widget's model lives in this rank, whose comm messages cannot reach the
             # frontend: the cell would show "Error displaying widget". Its text form instead.
             data = {"text/plain": data.get("text/plain", "<widget>")}
         display_id = (transient or {}).get("display_id")

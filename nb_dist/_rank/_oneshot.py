@@ -46,7 +46,7 @@ def run(
         except SystemExit as exc:
             if exc.code not in (None, 0):
                 raise
-            value = None  # sys.exit(0) in a worker is a normal end, as under torchrun
+            value = None  # sys.exit(0) in a rank is a normal end, as under torchrun
         # Tell the kernel before tearing down: destroying the group closes this rank's
         # connections, which can make a peer still waiting in a collective fail at once, and
         # that failure is explained by "rank K had already returned" (a skipped collective).
@@ -123,7 +123,7 @@ def failure(exc: BaseException, spec: RankSpec) -> _protocol.Failed:
     message = str(exc)
     if spec.init_process_group and isinstance(exc, ValueError) and "twice" in message:
         message = (
-            f"{message} The launcher already created the default process group in this worker "
+            f"{message} The launcher already created the default process group in this rank "
             "because the launch used init_process_group=True. Remove your own "
             "torch.distributed.init_process_group(...) call, or launch with "
             "init_process_group=False and keep it."

@@ -1,4 +1,4 @@
-"""Worker side of the rendezvous: who hosts the store, and telling the kernel how it goes.
+"""Rank side of the rendezvous: who hosts the store, and telling the kernel how it goes.
 
 The kernel hosts the rendezvous store (see ``ports.py``) and tells every rank so through
 ``TORCHELASTIC_USE_AGENT_STORE=True``, torchrun's own convention: then every rank connects to
@@ -58,7 +58,7 @@ HOOKED = {
 
 
 def install(send: Send, launch_host: str, launch_port: int) -> list[str]:
-    """Install both hooks in this worker (idempotent); ``send`` delivers a control message.
+    """Install both hooks in this rank (idempotent); ``send`` delivers a control message.
 
     Returns the hooks that this torch does not allow (``module.function`` names), logged on
     this module's logger. Without them a launch still runs: a rendezvous that cannot

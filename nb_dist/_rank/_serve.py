@@ -1,6 +1,6 @@
-"""The worker side of live ranks (:class:`nb_dist.Ranks`): a rank that serves tasks.
+"""The rank side of live ranks (:class:`nb_dist.Ranks`): a rank that serves tasks.
 
-A live rank is started like a launch's worker (``_entry.py`` cuts its ties to the kernel
+A live rank is started like a launch's rank (``_entry.py`` cuts its ties to the kernel
 and creates the process group), then, instead of running one function, it reads tasks from
 its ``commands`` pipe until the kernel closes it: run a function, run a cell's source in the
 rank's namespace, pull values out of it, push values into it (``_protocol.Command``). Each

@@ -14,7 +14,7 @@ from typing import Any
 
 @dataclass
 class RankSpec:
-    """Everything one worker needs, picklable so spawn/forkserver workers can receive it."""
+    """Everything one rank needs, picklable so spawn/forkserver ranks can receive it."""
 
     rank: int
     local_rank: int
@@ -29,13 +29,13 @@ class RankSpec:
     function: Callable[..., Any] | None = None
     args: tuple[Any, ...] = ()
     payload: bytes | None = None
-    # Cell sources for tracebacks in spawned workers (they do not inherit linecache).
+    # Cell sources for tracebacks in spawned ranks (they do not inherit linecache).
     linecache_entries: dict[str, Any] = field(default_factory=dict)
     # The kernel's sys.path, so classes the function refers to by module can be imported.
     sys_path: list[str] = field(default_factory=list)
-    # Kernel-side file descriptors a forked worker must close (other ranks' pipes, lifelines).
+    # Kernel-side file descriptors a forked rank must close (other ranks' pipes, lifelines).
     close_fds: list[int] = field(default_factory=list)
-    # Tell the kernel which modules this worker imported that it lacks (see _kernel/_warm.py).
+    # Tell the kernel which modules this rank imported that it lacks (see _kernel/_warm.py).
     report_imports: bool = False
     # A live rank (nb_dist.Ranks): serve tasks from the commands pipe instead of one function.
     session: bool = False
@@ -45,7 +45,7 @@ class RankSpec:
 
 @dataclass
 class RankChannels:
-    """Pipes between one worker and the kernel. Each end is a ``Connection`` so it pickles."""
+    """Pipes between one rank and the kernel. Each end is a ``Connection`` so it pickles."""
 
     stdout: Connection
     stderr: Connection
@@ -54,10 +54,10 @@ class RankChannels:
     lifeline: Connection
     # Read end of the start gate: EOF once the kernel has started every rank.
     gate: Connection
-    # Kernel → worker: the debugger's answers (_debug.py) and a live rank's tasks (_serve.py).
+    # Kernel → rank: the debugger's answers (_debug.py) and a live rank's tasks (_serve.py).
     commands: Connection | None = None
 
     def named_fds(self) -> dict[str, int]:
-        """Each pipe's file descriptor by name (how a spawned worker is told its pipes)."""
+        """Each pipe's file descriptor by name (how a spawned rank is told its pipes)."""
         ends = {f.name: getattr(self, f.name) for f in fields(self)}
         return {name: conn.fileno() for name, conn in ends.items() if conn is not None}

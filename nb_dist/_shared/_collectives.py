@@ -10,7 +10,7 @@ Kernel side: :func:`create` makes one zero-filled file per rank (the caller pick
 :func:`read` turns it into a :class:`CollectiveState`, or ``None`` when the file is missing or
 the rank never installed the counter (so "unknown" is never shown as "0 collectives").
 
-Worker side: :func:`install` maps the file (``mmap``, shared) and replaces each
+Rank side: :func:`install` maps the file (``mmap``, shared) and replaces each
 torch.distributed collective, in both ``torch.distributed`` and
 ``torch.distributed.distributed_c10d``, with one wrapper that, on entering, bumps ``entered``
 and records which collective it is (an index into :data:`NAMES`), and on leaving (returned or
@@ -144,7 +144,7 @@ def read(path: str) -> CollectiveState | None:
     return CollectiveState(entered=entered, completed=completed, current=name, pid=pid)
 
 
-# ------------------------------------------------------------------ worker side
+# ------------------------------------------------------------------ rank side
 class _Guard(threading.local):
     inside = False
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-# Roots whose modules a worker may ask the kernel to import. Each is pure Python at import
+# Roots whose modules a rank may ask the kernel to import. Each is pure Python at import
 # time (no threads, no CUDA): torch's own subpackages and the libraries torch._dynamo uses.
 SAFE_ROOTS = ("torch", "sympy", "mpmath", "accelerate")
 # Never imported on purpose: inductor's compile machinery may start worker pools at import
@@ -19,7 +19,7 @@ MAX_NAMES = 64
 
 
 def worth_importing(new_modules: Iterable[str]) -> list[str]:
-    """From the modules a worker imported, the subtree roots the kernel may import (sorted)."""
+    """From the modules a rank imported, the subtree roots the kernel may import (sorted)."""
     new = {
         name
         for name in new_modules

@@ -1,4 +1,4 @@
-"""Mixed precision as handed from ``notebook_launcher(mixed_precision=...)`` to the workers.
+"""Mixed precision as handed from ``notebook_launcher(mixed_precision=...)`` to the ranks.
 
 The launcher exports the choice as ``ACCELERATE_MIXED_PRECISION`` (what ``accelerate.Accelerator()``
 reads) and ``NB_DIST_MIXED_PRECISION``. Plain-torch code reads it back with these helpers.
@@ -28,7 +28,7 @@ def normalize_mixed_precision(value: object) -> str:
 
 
 def mixed_precision() -> str:
-    """The mixed precision this worker was launched with: ``"no"``, ``"fp16"`` or ``"bf16"``.
+    """The mixed precision this rank was launched with: ``"no"``, ``"fp16"`` or ``"bf16"``.
 
     Outside a launch it reads the same environment variables, so a function also runs
     single-process (``"no"`` unless you set ``ACCELERATE_MIXED_PRECISION`` yourself).

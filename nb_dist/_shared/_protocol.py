@@ -1,4 +1,4 @@
-"""The worker → kernel protocol: every message a rank sends on its control pipe.
+"""The rank → kernel protocol: every message a rank sends on its control pipe.
 
 Each rank has four pipes to the kernel: ``stdout`` and ``stderr`` (raw bytes, the rank's own
 file descriptors 1 and 2, so C extensions' output is captured too), ``stack`` (raw
@@ -6,10 +6,10 @@ file descriptors 1 and 2, so C extensions' output is captured too), ``stack`` (r
 every message is one frame of ``multiprocessing.connection.Connection.send_bytes`` (a length
 header, then the bytes) holding one of the classes below, pickled with plain ``pickle``
 (``Connection.send`` would use multiprocessing's pickler, for which torch registers tensor
-reductions through shared memory owned by the sender, gone when the worker exits).
+reductions through shared memory owned by the sender, gone when the rank exits).
 
 ===================  ==========================================  =============================
-message              sent by the worker                          what the kernel does
+message              sent by the rank                          what the kernel does
 ===================  ==========================================  =============================
 :class:`Hello`       first thing, before user code               rank is running; its thread
 :class:`Reports`     ``report()`` batches (every 0.1 s, at end)  adds to ``result.reports``
@@ -37,7 +37,7 @@ bytes of its large tensors (``_values.py``), each read straight into one preallo
 kernel reads the pipe without blocking (:class:`ControlReader`): frames and values are
 assembled across turns of its loop, which meanwhile reads every other rank and keeps time.
 
-Report values are pickled one by one in the worker (:class:`ReportValue`), so one value the
+Report values are pickled one by one in the rank (:class:`ReportValue`), so one value the
 kernel cannot unpickle (an instance of a class defined only in the rank) is reported by name
 and type while every other value of the batch arrives.
 """
@@ -75,7 +75,7 @@ class Hello:
 class ReportValue:
     name: str
     step: int
-    at: float  # time.monotonic() in the worker
+    at: float  # time.monotonic() in the rank
     type_name: str
     payload: bytes  # the value, pickled on its own
 

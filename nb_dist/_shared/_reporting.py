@@ -1,11 +1,11 @@
-"""The worker → kernel reporting channel, and small helpers for code that runs in a worker.
+"""The rank → kernel reporting channel, and small helpers for code that runs in a rank.
 
 Inside a launched function, ``report("loss", loss, step)`` sends a value to the kernel, tagged
 with the rank, the step and the time. The kernel collects every report on the launch result
 (``result.reports["loss"][1]`` → rank 1's ``[(step, value), ...]``) and hands them to live
 views (the launch monitor) while the run goes on.
 
-Reports are buffered in the worker and sent in batches (at least every 0.1 s, and when the
+Reports are buffered in the rank and sent in batches (at least every 0.1 s, and when the
 function ends), so reporting a scalar every step costs about a microsecond, not a system call.
 Outside a launch, ``report`` keeps the values in this process (see :func:`local_reports`), so a
 function that reports also runs single-process, unchanged.
@@ -98,9 +98,9 @@ class Reports(dict):  # type: ignore[type-arg]
         return f"Reports({'; '.join(parts)})"
 
 
-# ----------------------------------------------------------------- worker side
+# ----------------------------------------------------------------- rank side
 class _Sink:
-    """The worker's end of the channel: a buffer, a lock, and a thread that flushes it."""
+    """The rank's end of the channel: a buffer, a lock, and a thread that flushes it."""
 
     def __init__(self, control: Any, rank: int) -> None:
         self.rank = rank
@@ -191,7 +191,7 @@ _local = Reports()
 
 
 def install_sink(control: Any, rank: int) -> _Sink:
-    """Called by the worker before the user's function runs."""
+    """Called by the rank before the user's function runs."""
     global _sink
     _sink = _Sink(control, rank)
     return _sink

@@ -32,7 +32,7 @@ class ConsumedView(_StaticView):
     Args:
         indices_by_rank (`dict[int, list[int] | dict[int, list[int]]]`): for each rank, the
             sample indices it processed, either as one list (one pass, or everything at once)
-            or per epoch as ``{epoch: [indices]}`` (for example collected by each worker with
+            or per epoch as ``{epoch: [indices]}`` (for example collected by each rank with
             ``nb_dist.report(..., step=epoch)``). Keys may be ints or strings of ints (as after
             a JSON round trip).
         dataset_len (`int`): the dataset's length, to find samples nobody saw.

@@ -9,7 +9,7 @@ It also shows *divergence over steps* for a reported tensor (for example the wei
 ``no_sync()`` / gradient accumulation): ranks drift apart on non-synchronising steps and agree
 again on the step that synchronises.
 
-The worker side is two lines, e.g. in a DDP loop::
+The rank side is two lines, e.g. in a DDP loop::
 
     with ddp.no_sync():                    # local gradients only
         loss.backward()
