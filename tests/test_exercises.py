@@ -1,7 +1,7 @@
 """Every exercise of the teaching notebooks, both ways, in a real kernel.
 
-The student edition of each notebook runs cell by cell. At each exercise its check runs three
-times: after the blank (it must say "not answered yet" and not stop), after the wrong answer
+The student edition of each notebook runs cell by cell. At each exercise its check runs at least
+three times: after the blank (it must say "not answered yet" and not stop), after each wrong answer
 (it must fail), and after the key (it must say "right"); the notebook then goes on with the
 key, as the solutions edition does.
 """
@@ -43,10 +43,11 @@ def _walk_exercise(kc, exercise: Exercise, check: str) -> None:
     blank = _run(kc, check, where)
     assert blank.error is None, f"{where}: the check stopped on a blank\n{blank.error_text()}"
     assert NOT_ANSWERED in blank.stdout(), f"{where}: blank: {blank.stdout()!r}"
-    _run(kc, exercise.wrong, where).expect_ok()
-    wrong = _run(kc, check, where)
-    assert wrong.error is not None, f"{where}: the wrong answer passed: {wrong.stdout()!r}"
-    assert "right:" not in wrong.stdout(), where
+    for number, variant in enumerate(exercise.wrongs, 1):
+        _run(kc, variant, where).expect_ok()
+        wrong = _run(kc, check, where)
+        assert wrong.error is not None, f"{where}: wrong answer {number} passed: {wrong.stdout()!r}"
+        assert "right:" not in wrong.stdout(), f"{where}: wrong answer {number}"
     _run(kc, exercise.key, where).expect_ok()
 
 

@@ -20,6 +20,7 @@ from nb_dist.teach._editions import (
     student_edition,
     write_student_editions,
 )
+from nb_dist.teach._leaks import answer_leaks
 from nb_dist.teach.exercises import same
 
 #: Unit tests and quick launches: all in the fast lane (python -m pytest -m fast).
@@ -79,13 +80,24 @@ def test_check_prints_right(capsys):
     assert capsys.readouterr().out == "right: 4.0\n"
 
 
-def test_check_raises_with_what_was_said_what_the_code_gives_and_the_hint():
-    with pytest.raises(WrongAnswer) as caught:
-        check(0, False, "Hint: the weights differ.")
-    message = str(caught.value)
-    assert "you said 0" in message and "gives False" in message
-    assert message.endswith("Hint: the weights differ.")
-    assert isinstance(caught.value, AssertionError)  # an `except AssertionError` still works
+def test_check_raises_with_what_was_said_and_the_hint_and_the_truth_only_on_a_second_try():
+    hint = "Hint: the weights differ."
+    with pytest.raises(WrongAnswer) as first:
+        check(0, False, hint)
+    message = str(first.value)
+    assert "you said 0" in message and "False" not in message and message.endswith(hint)
+    assert isinstance(first.value, AssertionError)  # an `except AssertionError` still works
+    with pytest.raises(WrongAnswer) as second:
+        check(1, False, hint)
+    assert "you said 1" in str(second.value) and "gives False" in str(second.value)
+    assert str(second.value).endswith(hint)
+
+
+def test_check_reveals_the_truth_on_request(capsys):
+    with pytest.raises(WrongAnswer, match=r"you said 3, the code gives 4\. Hint: add\."):
+        check(3, 4, "Hint: add.", reveal=True)
+    check(4, 4, "Hint: add.", reveal=True)  # a right answer is right, revealed or not
+    assert capsys.readouterr().out == "right: 4\n"
 
 
 @pytest.mark.parametrize("blank", [..., [..., 2], (1, ...), {"x": ...}])
@@ -257,6 +269,71 @@ def test_no_student_edition_gives_a_prediction_away():
             if exercise.key.startswith("answer = "):
                 line = exercise.key.splitlines()[0].split("#")[0].strip()
                 assert json.dumps(line)[1:-1] not in student, (source.name, exercise.id, line)
+
+
+def test_no_student_edition_holds_an_answer_after_its_exercise():
+    """Every exercise's key (a prediction's value, a coding answer's distinctive lines under any
+    name) appears nowhere after the exercise in the student edition: not in a cell's source,
+    not in what the cell prints when run (the solutions edition's stored outputs)."""
+    leaks = []
+    for source in sorted(NOTEBOOKS.glob("*.ipynb")):
+        student = json.loads((NOTEBOOKS / "student" / source.name).read_text())
+        leaks += answer_leaks(json.loads(source.read_text()), student, source.name)
+    assert not leaks, "\n".join(map(str, leaks))
+
+
+#: The most ranks a teaching notebook may launch: each must run on a 2-core machine.
+MAX_RANKS = 4
+_LAUNCH = re.compile(
+    r"(?:num_processes=|nprocs=|nproc[-_]per[-_]node[= ]|--num_processes[= ])(\d+)"
+)
+
+
+def test_no_notebook_launches_more_than_four_ranks():
+    """``num_processes=``, ``nprocs=`` and the launchers' rank counts, in every cell."""
+    for source in sorted(NOTEBOOKS.glob("*.ipynb")):
+        for index, cell in enumerate(json.loads(source.read_text())["cells"]):
+            text = "".join(cell["source"])
+            ranks = [int(n) for n in _LAUNCH.findall(text)]
+            assert all(n <= MAX_RANKS for n in ranks), (source.name, index, ranks)
+
+
+def _scan(*cells: dict) -> list[str]:
+    notebook = _notebook(*cells)
+    leaks = answer_leaks(notebook, student_edition(notebook), "lesson.ipynb")
+    return [f"{leak.exercise} {leak.cell} {leak.where} {leak.found}" for leak in leaks]
+
+
+def test_the_scan_finds_a_value_printed_or_written_below_and_a_key_redefined():
+    prediction = {"id": "p", "blank": "answer = ...", "wrong": "answer = 0.5"}
+    printed = _code("print(bubble)")
+    printed["outputs"] = [{"name": "stdout", "output_type": "stream", "text": ["0.375\n"]}]
+    assert _scan(
+        _code("answer = 0.375", exercise=prediction),
+        _code("check(answer, bubble, 'h')"),
+        printed,
+        _markdown("So the bubble is 3/8, or 37.5%; 10.375 and 0.3751 are other numbers."),
+    ) == ["p 3 output 0.375", "p 4 source 3/8", "p 4 source 37.5%"]
+    key = "def merge(a, b):\n    m = torch.maximum(a, b)  # the larger\n    return m\n"
+    coding = {"id": "c", "blank": "def merge(a, b):\n    ...\n", "wrong": "def merge(a, b): 0"}
+    assert _scan(
+        _code(key, exercise=coding),
+        _code("check_code(merge, run, True, 'h')"),
+        _code("def merge_blocks(x, y):\n    m   =  torch.maximum(a, b)\n    return m\n"),
+    ) == ["c 3 source m = torch.maximum(a, b)"]
+    assert _scan(_code("answer = 3", exercise=prediction), _code("print(3)")) == []  # small
+
+
+def test_the_reference_implementations_are_the_exercises_answers():
+    from nb_dist.teach import reference
+
+    assert reference.block_activations(2, 16, 32, 2) == 4 * (
+        16 * 2 * 16 * 32 + 2 * 2 * 16 * 16 + 4 * 2 * 16
+    )
+    assert reference.torch_1f1b(4, 6, 1) == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3),
+                                             ("B", 1), ("F", 4), ("B", 2), ("F", 5), ("B", 3),
+                                             ("B", 4), ("B", 5)]  # fmt: skip
+    assert reference.torch_1f1b(2, 1, 0) == [("F", 0), ("B", 0)]
 
 
 # ------------------------------------------------------------------ Colab, Kaggle and Binder

@@ -3,7 +3,8 @@
 One source: the notebooks in ``notebooks/`` are the solutions edition (the answer key). An
 exercise is a code cell whose metadata holds ``"exercise": {"id", "blank", "wrong"}``: its
 source is the answer, ``blank`` is what the student gets (with ``...`` where the answer goes),
-``wrong`` a plausible wrong answer (the exercise tests run it and expect the check to fail).
+``wrong`` a plausible wrong answer, or a list of them (the exercise tests run each and expect
+the check to fail).
 The next code cell checks the answer. A cell with ``"edition": "solutions"`` in its metadata
 exists only in the solutions edition. The student edition carries no outputs and no key: each
 code cell is tagged ``nbval-ignore-output``, so nbval runs it and fails only on errors. Its
@@ -40,7 +41,12 @@ class Exercise:
     id: str
     key: str
     blank: str
-    wrong: str
+    wrongs: tuple[str, ...]
+
+    @property
+    def wrong(self) -> str:
+        """The first wrong answer (an exercise may list more: :attr:`wrongs`)."""
+        return self.wrongs[0]
 
 
 def _source(cell: Cell) -> str:
@@ -66,17 +72,19 @@ def exercises(notebook: Notebook, name: str = "") -> list[Exercise]:
         missing = {"id", "blank", "wrong"} - set(spec)
         if missing:
             raise ValueError(f"{where}: the exercise metadata lacks {sorted(missing)}")
-        key, blank, wrong = _source(cell), str(spec["blank"]), str(spec["wrong"])
+        key, blank = _source(cell), str(spec["blank"])
+        listed = spec["wrong"] if isinstance(spec["wrong"], list) else [spec["wrong"]]
+        wrongs = tuple(str(wrong) for wrong in listed)
         if "..." not in blank:
             raise ValueError(f"{where}: the blank must hold '...' where the answer goes")
-        if wrong.strip() == key.strip():
+        if not wrongs or any(wrong.strip() == key.strip() for wrong in wrongs):
             raise ValueError(f"{where}: the wrong answer is the key itself")
         check_index = next(
             (k for k in range(index + 1, len(cells)) if cells[k]["cell_type"] == "code"), None
         )
         if check_index is None:
             raise ValueError(f"{where}: no code cell after the exercise checks it")
-        found.append(Exercise(name, index, check_index, str(spec["id"]), key, blank, wrong))
+        found.append(Exercise(name, index, check_index, str(spec["id"]), key, blank, wrongs))
     ids = [e.id for e in found]
     if len(set(ids)) != len(ids):
         raise ValueError(f"{name}: exercise ids repeat: {ids}")

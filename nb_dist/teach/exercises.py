@@ -4,7 +4,9 @@ Strict about types where a learner's slip would hide a misunderstanding: ``True`
 ``1`` and ``0`` is not ``False``; a number is compared with a relative tolerance of 1e-6
 (``4`` matches ``4.0``); lists and tuples compare element by element. An answer still holding
 ``...`` (the student edition's blank) is "not answered yet": it prints that and returns
-``False`` without raising, so Run All goes on past an unanswered exercise.
+``False`` without raising, so Run All goes on past an unanswered exercise. A wrong
+prediction gets the hint first and what the code gives only on a second try (or on request):
+see :func:`check`.
 """
 
 from __future__ import annotations
@@ -86,17 +88,32 @@ def answered(answer: object) -> bool:
     return True
 
 
-def check(answer: object, truth: object, hint: str) -> None:
+#: How many wrong answers each prediction has had in this kernel, by its hint.
+_wrong_tries: dict[str, int] = {}
+
+
+def check(answer: object, truth: object, hint: str, reveal: bool = False) -> None:
     """Print ``right: <truth>`` when ``answer`` matches ``truth``; print :data:`NOT_ANSWERED`
-    while it holds ``...``; otherwise raise :class:`WrongAnswer` with what was said, what the
-    code gives, and ``hint``. Returns nothing, so a check cell shows only its line."""
+    while it holds ``...``; otherwise raise :class:`WrongAnswer`, which stops the cell.
+
+    A first wrong answer gets what was said and ``hint``, not the truth, so the student can
+    try again. The truth (what the code gives) comes with the second wrong answer to the same
+    exercise (the same ``hint``), or at once with ``reveal=True``: ``check(answer, ...,
+    reveal=True)`` in the check cell shows it on request. Returns nothing, so a check cell
+    shows only its line."""
     if not answered(answer):
         print(NOT_ANSWERED)
         return
     if same(answer, truth):
         print(f"right: {truth!r}")
         return
-    raise WrongAnswer(f"not quite: you said {answer!r}, the code gives {truth!r}. {hint}")
+    tries = _wrong_tries[hint] = _wrong_tries.get(hint, 0) + 1
+    if reveal or tries >= 2:
+        raise WrongAnswer(f"not quite: you said {answer!r}, the code gives {truth!r}. {hint}")
+    raise WrongAnswer(
+        f"not quite: you said {answer!r}. Try again with the hint (a second wrong answer, or "
+        f"reveal=True in this check, shows what the code gives). {hint}"
+    )
 
 
 def check_code(solution: T, run: Callable[[T], object], expected: object, hint: str) -> None:
