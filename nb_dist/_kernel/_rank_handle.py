@@ -6,7 +6,6 @@ lines for the cell, stack dumps, protocol messages, and its returned value.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import select
 import signal
@@ -16,9 +15,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from .._shared import _collectives, _protocol, _values
-from .._shared._protocol import PIPES
 from .._shared._reporting import ReportEntry, Reports
-from .._shared._starting import widen
+from .._shared._starting import open_rank_pipes
 from ._diagnosis import Frame, RendezvousView, StuckRank, ended_without_value
 from ._errors import RankOutcome, RankStatus
 from ._output import LineSplitter, OutputRouter
@@ -154,13 +152,10 @@ class Rank:
 
         Four carry what the rank says (the kernel reads them); ``commands`` goes the other
         way (the debugger's answers, a live rank's tasks)."""
-        ends = {kind: multiprocessing.Pipe(duplex=False) for kind in PIPES}
-        widen(ends["control"][0])  # a large value leaves the rank in 1 MB writes
-        self.pipes = {kind: reader for kind, (reader, _) in ends.items()}
+        pipes = open_rank_pipes()
+        self.pipes, self.commands = pipes.readers, pipes.commands
         self.control = _protocol.ControlReader(self.pipes["control"])
-        theirs = {kind: writer for kind, (_, writer) in ends.items()}
-        theirs["commands"], self.commands = multiprocessing.Pipe(duplex=False)
-        return theirs
+        return pipes.theirs
 
     def kernel_ends(self) -> list[Connection]:
         """Every pipe end the kernel holds for this rank (a forked rank closes them all)."""

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import multiprocessing
 import os
 import selectors
 import shutil
@@ -41,9 +40,9 @@ from .._shared._starting import (
     Gate,
     gated_start,
     host_store,
+    open_rank_pipes,
     rank_files,
     scratch_folder,
-    widen,
 )
 from ._outbox import KINDS, Batch, Outbox
 
@@ -166,24 +165,19 @@ class NodeAgent:
         spec = dataclasses.replace(
             spec, env={**spec.env, **files}, parent_pid=os.getpid(), close_fds=[]
         )
-        pipes = {kind: multiprocessing.Pipe(duplex=False) for kind in KINDS}
-        widen(pipes["control"][0])  # a large result leaves the rank in 1 MB writes
-        commands_reader, commands_writer = multiprocessing.Pipe(duplex=False)
-        writers = {kind: writer for kind, (_, writer) in pipes.items()}
-        channels = RankChannels(
-            **writers, lifeline=gate.lifeline_end, gate=gate.gate_end, commands=commands_reader
-        )
+        pipes = open_rank_pipes()  # as the kernel opens a local rank's
+        channels = RankChannels(**pipes.theirs, lifeline=gate.lifeline_end, gate=gate.gate_end)
         try:
             with _plain_main():
                 process = _processes.start(method, spec, channels, context)
         finally:
-            for conn in (*writers.values(), commands_reader):
+            for conn in pipes.theirs.values():
                 conn.close()  # the rank has its own copies
         return _Local(
             spec=spec,
             process=process,
-            readers={kind: reader for kind, (reader, _) in pipes.items()},
-            commands=commands_writer,
+            readers=pipes.readers,
+            commands=pipes.commands,
             counter=counter,
             open_kinds=set(KINDS),
         )

@@ -27,12 +27,13 @@ import socket
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
 
 from . import _collectives
-from ._protocol import COLLECTIVES_ENV
+from ._protocol import COLLECTIVES_ENV, PIPES
 
 #: How long ranks may take to reach the rendezvous store (the store's client timeout).
 STORE_TIMEOUT = 300.0
@@ -114,6 +115,30 @@ def widen(conn: Connection, size: int = 1 << 20) -> None:
 
     with contextlib.suppress(OSError, AttributeError):
         fcntl.fcntl(conn.fileno(), fcntl.F_SETPIPE_SZ, size)
+
+
+@dataclass
+class RankPipes:
+    """One rank's pipes, both ends: what it says (``_protocol.PIPES``) and what it is told
+    (``commands``: the debugger's answers, a live rank's tasks)."""
+
+    #: The reading ends of what the rank says, by kind: the starter's.
+    readers: dict[str, Connection]
+    #: The writing end of what the rank is told: the starter's.
+    commands: Connection
+    #: The rank's ends: each kind's writing end, and ``"commands"``'s reading end.
+    theirs: dict[str, Connection]
+
+
+def open_rank_pipes() -> RankPipes:
+    """The pipes of a rank about to start (the kernel's or a node agent's): the same five
+    on both sides of a cluster, the control pipe widened for large values."""
+    ends = {kind: multiprocessing.Pipe(duplex=False) for kind in PIPES}
+    widen(ends["control"][0])  # a large value leaves the rank in 1 MB writes
+    commands_reader, commands = multiprocessing.Pipe(duplex=False)
+    theirs = {kind: writer for kind, (_, writer) in ends.items()}
+    theirs["commands"] = commands_reader
+    return RankPipes({kind: reader for kind, (reader, _) in ends.items()}, commands, theirs)
 
 
 class Gate:
