@@ -3,8 +3,8 @@ behind the kernel's ``RankProcess`` interface.
 
 Runs in the kernel. For each rank the kernel makes its usual pipes (``Rank.open_pipes``); the
 ends a local rank would hold stay here. :class:`Forwarder` long-polls every node agent
-(``_node/_agent.py``) in one thread and writes the raw bytes it gets into those write ends
-(raw bytes keep the control pipe's framing, so the kernel's parsing is unchanged), copies
+(``_node/_agent.py``), one thread per agent, and writes the raw bytes it gets into those
+write ends (raw bytes keep the control pipe's framing, so the kernel's parsing is unchanged), copies
 each rank's collective counter into the kernel's mirror file, and records exit codes and
 when each rank ended on its node's clock. The writes never block: what a full pipe cannot
 take waits in the link's backlog, written as the kernel reads, while every other rank's
@@ -281,23 +281,33 @@ class RemoteProcess:
 
 
 class Forwarder:
-    """The two threads of one run: polls from the agents, commands to them."""
+    """The threads of one run: one poll thread per agent, one for commands to all of them.
+
+    A thread per agent: one agent's answer is delivered while another's next poll is still
+    being sent, so a live cell on N nodes waits for the slowest node, not for every node's
+    poll in turn."""
 
     def __init__(self, ray: Any, links: list[AgentLink]) -> None:
         self.ray, self.links = ray, links
         self._stop = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
         self._threads = [
-            threading.Thread(target=self._poll, name="nb_dist-cluster-poll", daemon=True),
-            threading.Thread(target=self._commands, name="nb_dist-cluster-commands", daemon=True),
-        ]
+            threading.Thread(
+                target=self._poll, args=(link,), name=f"nb_dist-cluster-poll-{number}",
+                daemon=True,
+            )
+            for number, link in enumerate(links)
+        ]  # fmt: skip
+        self._threads.append(
+            threading.Thread(target=self._commands, name="nb_dist-cluster-commands", daemon=True)
+        )
 
     def start(self) -> None:
         for thread in self._threads:
             thread.start()
 
     def stop(self) -> None:
-        """Stop both threads and close every local end (the run is over)."""
+        """Stop every thread and close every local end (the run is over)."""
         self._stop.set()
         os.write(self._wake_w, b"x")
         for link in self.links:
@@ -310,58 +320,49 @@ class Forwarder:
         os.close(self._wake_r)
         os.close(self._wake_w)
 
-    def _poll(self) -> None:
+    def _poll(self, link: AgentLink) -> None:
         try:
-            self._poll_agents()
+            self._poll_agent(link)
         except Exception as exc:  # a bug here must end the launch, never hang it
             _log.exception("nb_dist: the cluster forwarder failed")
-            for link in self.links:
-                link.lose(f"nb_dist's forwarder failed: {type(exc).__name__}", close_pipes=True)
+            link.lose(f"nb_dist's forwarder failed: {type(exc).__name__}", close_pipes=True)
 
-    def _poll_agents(self) -> None:
+    def _poll_agent(self, link: AgentLink) -> None:
+        """Long-poll one agent until its run is over (or it is lost), writing what it sends
+        into the local pipes. While its bytes wait for the kernel to read more than
+        ``BACKLOG_LIMIT``, it is not polled again (its ranks' pipes on the node fill, and they
+        wait); a full pipe is waited on a little at a time, the poll's answer looked at
+        between."""
         ray = self.ray
-        pending = {link.actor.poll.remote(link.run, POLL_WAIT): link for link in self.links}
-        parked: list[AgentLink] = []  # answered, not polled again until their backlog shrinks
+        pending: Any = None
+        over = False
         while not self._stop.is_set():
-            blocked = [fd for link in self.links for fd in link.blocked()]
-            if not (pending or parked or blocked):
+            idle = pending is None and not over and link.lost is None
+            if idle and link.backlog_bytes <= BACKLOG_LIMIT:
+                pending = link.actor.poll.remote(link.run, POLL_WAIT)
+            blocked = link.blocked()
+            if pending is None and not blocked:
                 return
             wait = POLL_WAIT
             if blocked:
                 _wait_for_room(blocked, BACKLOG_WAIT)
-                for link in self.links:
-                    link.flush()
+                link.flush()
                 wait = 0.0
-            ready: list[Any] = []
-            if pending:
-                ready, _ = ray.wait(list(pending), num_returns=1, timeout=wait)
-                if ready and len(pending) > 1:  # the other agents that answered meanwhile too
-                    ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
-            again = []
-            for ref in ready:
-                link = pending.pop(ref)
-                try:
-                    batch = ray.get(ref)
-                except Exception as exc:
-                    link.lose(_reason(exc), close_pipes=True)
-                    continue
-                if self._stop.is_set():
-                    return
-                link.deliver(batch)
-                if not batch.over:
-                    again.append(link)
-            # Polled again only once every answer is delivered: each call costs a little,
-            # and a rank's output or value waits for none of them. An agent whose bytes the
-            # kernel has not read yet waits (its ranks' pipes on the node fill, and they wait).
-            for link in [*parked, *again]:
-                if link.backlog_bytes > BACKLOG_LIMIT and link.lost is None:
-                    if link not in parked:
-                        parked.append(link)
-                    continue
-                if link in parked:
-                    parked.remove(link)
-                if link.lost is None:
-                    pending[link.actor.poll.remote(link.run, POLL_WAIT)] = link
+            if pending is None:
+                continue
+            ready, _ = ray.wait([pending], num_returns=1, timeout=wait)
+            if not ready:
+                continue
+            try:
+                batch = ray.get(pending)
+            except Exception as exc:
+                link.lose(_reason(exc), close_pipes=True)
+                return
+            pending = None
+            if self._stop.is_set():
+                return
+            link.deliver(batch)
+            over = batch.over
 
     def _commands(self) -> None:
         selector = selectors.DefaultSelector()
