@@ -292,6 +292,57 @@ def test_a_relaunch_reuses_the_agents(cluster):
     assert set(o.pid for o in first.outcomes).isdisjoint(o.pid for o in again.outcomes)
 
 
+def _listening(port: int) -> bool:
+    return any(
+        c.status == psutil.CONN_LISTEN and c.laddr.port == port
+        for c in psutil.net_connections(kind="tcp")
+    )
+
+
+def test_a_launch_that_fails_after_its_store_opened_closes_the_store(cluster, monkeypatch):
+    """The store on rank 0's agent goes with a run that never started (an error while the
+    ranks' environments are made), not only with one whose ranks ran."""
+    from nb_dist._cluster import _gang, _remote_run
+
+    opened: list[int] = []
+    open_store = _gang.Gang.open_store
+
+    def recorded(self, run, world_size):
+        address, port = open_store(self, run, world_size)
+        opened.append(port)
+        return address, port
+
+    def no_environment(*args, **kwargs):
+        raise RuntimeError("no environment for this rank")
+
+    monkeypatch.setattr(_gang.Gang, "open_store", recorded)
+    monkeypatch.setattr(_remote_run, "cluster_env", no_environment)
+    with pytest.raises(RuntimeError, match="no environment"):
+        nb_dist.notebook_launcher(_warm, (1,), num_processes=2, cluster=cluster)
+    assert len(opened) == 1 and not _listening(opened[0])
+    monkeypatch.undo()
+    assert list(nb_dist.notebook_launcher(_warm, (3,), num_processes=2, cluster=cluster)) == [6, 6]
+
+
+def test_a_late_end_of_an_earlier_run_leaves_the_next_runs_store_open(cluster):
+    """Agents run calls concurrently: an earlier run's end that arrives after the next run
+    opened its store (a slow call, past the kernel's limit) must not close that store."""
+    import ray
+
+    nb_dist.notebook_launcher(_warm, (1,), num_processes=2, cluster=cluster)
+    gang = cluster._gang
+    earlier, later = gang.new_run(), gang.new_run()
+    _, port = gang.open_store(later, 2)
+    agent = gang.agents[gang.layout.agent[0]]
+    try:
+        assert _listening(port)
+        ray.get(agent.end_run.remote(earlier), timeout=30)
+        assert _listening(port)  # still the later run's
+    finally:
+        ray.get(agent.end_run.remote(later), timeout=30)
+    assert not _listening(port)
+
+
 def test_node_agents_leave_the_kernel_side_of_nb_dist_unimported(cluster, ray_cluster):
     # Importing nb_dist's API (torch, widgets, matplotlib) in an agent cost a cold launch about
     # 1.3 s before the node's fork server could start; the agent needs none of it, and

@@ -169,19 +169,25 @@ class Gang:
         )
         return f"{len(seen)} node(s) ({listed})"
 
-    def open_store(self, world_size: int) -> tuple[str, int]:
-        """The rendezvous store on rank 0's node: (its address, its port)."""
+    def new_run(self) -> int:
+        """The number of a new run on these agents: its store and its ranks carry it."""
+        return next(_runs)
+
+    def open_store(self, run: int, world_size: int) -> tuple[str, int]:
+        """Run ``run``'s rendezvous store on rank 0's node: (its address, its port). It is
+        closed with the run (:meth:`end_run`, or :meth:`end_unstarted` if none started)."""
         node = self.nodes[self.layout.agent[0]]
         # The first call imports torch in that agent (agents start without it), which takes
         # as long as a first start does: 1.5 s on an idle 2-core box, over 30 s under load.
         port = self.ray.get(
-            self.agents[self.layout.agent[0]].open_store.remote(node.address, world_size),
+            self.agents[self.layout.agent[0]].open_store.remote(run, node.address, world_size),
             timeout=START_LIMIT,
         )
         return node.address, int(port)
 
     def start(
         self,
+        run: int,
         method: str,
         specs: Sequence[RankSpec],
         theirs: Sequence[dict[str, Connection]],
@@ -193,7 +199,7 @@ class Gang:
         if time.monotonic() - self._clocks_at > CLOCKS_FRESH_FOR:
             with contextlib.suppress(Exception):  # kept as they were; a lost agent is found below
                 self.measure_clocks()
-        run, lay = next(_runs), self.layout
+        lay = self.layout
         links = [
             AgentLink(self.ray, actor, run, self.nodes[i].address, self.clock_offsets[i])
             for i, actor in enumerate(self.agents)
@@ -230,6 +236,14 @@ class Gang:
             self.ray.get(refs, timeout=CALL_LIMIT)
         except Exception:  # an agent lost now is found (and replaced) by the next launch
             _log.info("ending the run on the agents failed", exc_info=True)
+
+    def end_unstarted(self, run: int) -> None:
+        """End run ``run`` whose ranks never started (its store is closed)."""
+        agent = self.agents[self.layout.agent[0]]
+        try:
+            self.ray.get(agent.end_run.remote(run), timeout=CALL_LIMIT)
+        except Exception:  # an agent lost now is found (and replaced) by the next launch
+            _log.info("ending an unstarted run on its agent failed", exc_info=True)
 
     def hold(self, session: object) -> None:
         """A live session runs on these agents: no launch until it lets them go."""

@@ -157,14 +157,16 @@ def open_ranks(
     """Attempt ``number``'s ranks on the gang (or a live session's): each rank's environment,
     the store opened on rank 0's node, and the host that starts and ends them. ``on_lost()``
     runs when the host closes after a run that lost a node (or an agent)."""
+    run = gang.new_run()
     folder = scratch_folder("nb_dist_cluster_")
     try:
-        address, port = gang.open_store(plan.world_size)
+        address, port = gang.open_store(run, plan.world_size)
         envs = [cluster_env(plan, gang, r, address, port, number, folder) for r in plan.ranks]
     except BaseException:
+        gang.end_unstarted(run)  # the store, if it was opened
         shutil.rmtree(folder, ignore_errors=True)
         raise
-    return envs, ClusterHost(gang, folder, on_lost, session=plan.session)
+    return envs, ClusterHost(gang, run, folder, on_lost, session=plan.session)
 
 
 def cluster_env(
@@ -200,11 +202,12 @@ class ClusterHost:
     (``on_lost``). A live session's host holds the gang until it closes."""
 
     def __init__(
-        self, gang: Gang, folder: str, on_lost: Callable[[], None], session: bool = False
-    ) -> None:
-        self._gang = gang
+        self, gang: Gang, run: int, folder: str, on_lost: Callable[[], None],
+        session: bool = False,
+    ) -> None:  # fmt: skip
+        self._gang, self._run = gang, run
         self._forwarder: Forwarder | None = None
-        self._forwarding_ended = False
+        self._run_ended = False
         self._folder: str | None = folder
         self._give_back = on_lost  # the gang, after a run that lost a node
         self._session = session
@@ -231,7 +234,7 @@ class ClusterHost:
         mirrors = [env.get(COLLECTIVES_ENV) for env in supervisor.rank_envs]
         try:
             self._forwarder, processes = self._gang.start(
-                plan.start_method, specs, theirs, mirrors,
+                self._run, plan.start_method, specs, theirs, mirrors,
                 lambda index: self._on_lost(ranks[index], index),
             )  # fmt: skip
             for index, (rank, process) in enumerate(zip(ranks, processes, strict=True)):
@@ -275,10 +278,13 @@ class ClusterHost:
         """Stop the run's forwarder and end the run on every agent, remove the scratch folder,
         let a session's gang go, and give a gang that lost a node back (once)."""
         try:
-            if self._forwarder is not None and not self._forwarding_ended:
-                self._forwarding_ended = True
-                self._forwarder.stop()
-                self._gang.end_run(self._forwarder.links)
+            if not self._run_ended:
+                self._run_ended = True
+                if self._forwarder is not None:
+                    self._forwarder.stop()
+                    self._gang.end_run(self._forwarder.links)
+                else:  # no rank started (the start failed): the run's store still goes
+                    self._gang.end_unstarted(self._run)
         finally:
             if self._folder is not None:
                 shutil.rmtree(self._folder, ignore_errors=True)

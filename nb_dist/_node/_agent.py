@@ -84,7 +84,8 @@ class NodeAgent:
         self._ranks: list[_Local] = []
         self._outbox = Outbox(-1)
         self._lifeline: Connection | None = None
-        self._store: Any = None
+        self._store: Any = None  # the rendezvous store of run _store_run, if hosted here
+        self._store_run: int | None = None
         self._folder: str | None = None
         self._reader: threading.Thread | None = None
         self._stop_reading = threading.Event()
@@ -123,10 +124,13 @@ class NodeAgent:
         """This node's ``time.monotonic()``, which its ranks stamp their messages with."""
         return time.monotonic()
 
-    def open_store(self, address: str, world_size: int) -> int:
-        """Host the launch's rendezvous store (torch's TCPStore) here; its port (from the OS)."""
-        self._store = host_store(address, None, world_size)
-        return int(self._store.port)
+    def open_store(self, run: int, address: str, world_size: int) -> int:
+        """Host run ``run``'s rendezvous store (torch's TCPStore) here; its port (from the OS).
+        It lives until that run ends here (:meth:`end_run`) or the next store replaces it."""
+        store = host_store(address, None, world_size)
+        with self._lock:
+            self._store, self._store_run = store, run
+        return int(store.port)
 
     # ------------------------------------------------------------------ a run
     def start(self, run: int, method: str, specs: list[RankSpec]) -> list[int]:
@@ -250,11 +254,13 @@ class NodeAgent:
             return code, local.process.ended_unasked()
 
     def end_run(self, run: int) -> None:
-        """The kernel is done with run ``run``: kill what is left, close everything."""
+        """The kernel is done with run ``run`` (started or not): kill what is left of it, and
+        close its store. A late call for an earlier run leaves a later run's store alone."""
         with self._lock:
             if run == self._run:
                 self._end_ranks()
-            self._store = None  # the last reference: the server stops, its port is free
+            if run == self._store_run:
+                self._store, self._store_run = None, None  # the server stops, the port is free
 
     def _rank(self, run: int, index: int) -> _Local | None:
         if run != self._run or not 0 <= index < len(self._ranks):
