@@ -79,3 +79,20 @@ def test_an_ended_worker_keeps_its_exit_code_and_is_never_signalled_again():
     worker.send_signal(signal.SIGTERM)  # a no-op now, not a signal to a reused pid
     with pytest.raises(ProcessLookupError):
         worker.signal_leader(signal.SIGUSR1)
+
+
+class _UnreportedServerChild:
+    """A fork server's child as multiprocessing shows it, whose exit the server never
+    reports (a server stuck, or the child in uninterruptible sleep): ``join`` times out."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.exitcode = pid, None
+
+    def join(self, timeout: float | None = None) -> None:
+        pass  # the deadline passed with no exit status
+
+
+def test_a_forkserver_rank_that_cannot_be_reaped_is_reported_like_a_forked_one(sleeper, capsys):
+    rank = _processes._FromForkserver(_UnreportedServerChild(sleeper.pid))
+    assert rank.kill_and_reap() == -signal.SIGKILL
+    assert f"rank process {sleeper.pid} did not end within 5 s" in capsys.readouterr().err

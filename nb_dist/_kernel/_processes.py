@@ -215,9 +215,12 @@ class _FromForkserver:
     def kill_and_reap(self) -> int:
         self._ends.stop_sent(self.exit_code() is not None)
         signal_group(self.pid, signal.SIGKILL)
-        self._process.join(timeout=5)  # only the server can reap; multiprocessing asks it
+        self._process.join(timeout=REAP_WITHIN)  # only the server reaps; multiprocessing asks
         code = self._process.exitcode
-        return int(code) if code is not None else -signal.SIGKILL
+        if code is None:
+            report_unreaped(self.pid, REAP_WITHIN)  # as for a rank this kernel forked
+            return -signal.SIGKILL
+        return int(code)
 
 
 class _Ends:
