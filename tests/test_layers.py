@@ -30,7 +30,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
         "nb_dist._shared",
         "nb_dist._rank._spec",  # what a rank is started with
         "nb_dist._rank._entry",  # the function a forked or forkserver process runs
-        "nb_dist._rank._script",  # the function run_script's ranks run (a script as __main__)
+        "nb_dist._rank._as_main",  # the function run_script's ranks run (a script as __main__)
         "nb_dist.views._display",  # the launch monitor is a widget on the views' base
         "nb_dist.views.colors",
     ),
@@ -50,6 +50,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
         "nb_dist._rank._spec",
         "nb_dist._rank._regroup",  # the node's ranks' socket addresses, to free a blocked one
         "nb_dist._kernel._processes",  # the node's ranks start as the kernel's local ones do
+        "nb_dist._kernel._cuda_touches",  # an agent never launches: no CUDA-touch recorder
     ),
     "nb_dist.views": (),
     "nb_dist.teach": (),

@@ -124,6 +124,6 @@ def test_in_a_rank_import_nb_dist_does_nothing_of_the_kernels():
         import nb_dist
         print(json.dumps(sorted(m for m in sys.modules if m.startswith("nb_dist"))))
         """,
-        env={"NB_DIST_WORKER_RANK": "1"},
+        env={"NB_DIST_IN_RANK": "1"},
     )
     assert "nb_dist._kernel._cuda_touches" not in found, found

@@ -349,12 +349,14 @@ def test_node_agents_leave_the_kernel_side_of_nb_dist_unimported(cluster, ray_cl
     # nb_dist/__init__.py imports each public name only when it is used.
     import ray
 
-    def imported(agent: Any) -> tuple[bool, bool, bool]:
+    def imported(agent: Any) -> tuple[bool, bool, bool, str]:
         """In that agent's process (nested: Ray ships it by value): nb_dist's API,
-        matplotlib, torch imported."""
+        matplotlib, torch imported, and the CUDA-touch recorder's state (an agent never
+        launches: it neither waits for torch nor records)."""
         modules = __import__("sys").modules
         api = "nb_dist._kernel._launcher" in modules or "nb_dist.views" in modules
-        return api, "matplotlib" in modules or "IPython" in modules, "torch" in modules
+        recorder = modules["nb_dist._kernel._cuda_touches"].state()
+        return api, "matplotlib" in modules or "IPython" in modules, "torch" in modules, recorder
 
     result = nb_dist.notebook_launcher(_warm, (3,), num_processes=2, cluster=cluster)
     assert list(result) == [6, 6]
@@ -365,6 +367,7 @@ def test_node_agents_leave_the_kernel_side_of_nb_dist_unimported(cluster, ray_cl
     store = gang.layout.agent[0]  # the agent hosting the store imports torch for TCPStore
     assert [s[:2] for s in seen] == [(False, False)] * 2
     assert [s[2] for i, s in enumerate(seen) if i != store] == [False]
+    assert [s[3] for s in seen] == ["off", "off"]
 
 
 def test_spawn_starts_fresh_interpreters_on_the_nodes(cluster):

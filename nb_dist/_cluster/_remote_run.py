@@ -23,10 +23,10 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from .._kernel import _plan
-from .._kernel._attempt import rank_env
 from .._kernel._options import LaunchOptions
 from .._kernel._plan import LaunchPlan
 from .._kernel._rank_handle import Rank
+from .._kernel._run_setup import rank_env
 from .._kernel._supervisor import Supervisor
 from .._shared import _protocol, _shipping
 from .._shared._protocol import COLLECTIVES_ENV
@@ -223,9 +223,7 @@ class ClusterHost:
     def start(self, supervisor: Supervisor) -> Connection | None:
         plan, lay, ranks = supervisor.config, self._gang.layout, supervisor.ranks
         specs = [
-            dataclasses.replace(
-                plan.rank_spec(r, supervisor.rank_envs[r], []), local_rank=lay.local_rank[r]
-            )
+            plan.rank_spec(r, supervisor.rank_envs[r], [], local_rank=lay.local_rank[r])
             for r in range(plan.nprocs)
         ]
         theirs = [rank.open_pipes() for rank in ranks]

@@ -40,6 +40,16 @@ def record() -> None:
     sys.meta_path.insert(0, _WhenTorchArrives())
 
 
+def not_needed() -> None:
+    """This process never launches (a Ray node agent): stop waiting for torch, so that its
+    import later is not hooked. A recorder already installed stays (torch came first)."""
+    global _state
+    if _state != "waiting for torch":
+        return
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _WhenTorchArrives)]
+    _state = "off"
+
+
 def state() -> State:
     """Whether recording is on, waits for torch, or is not needed (a CPU build)."""
     return _state

@@ -18,7 +18,7 @@ from ._options import LaunchOptions
 from ._output import OutputRouter
 from ._plan import LaunchPlan, check_arguments
 from ._result import LaunchResult
-from ._supervisor import AttemptResult, Supervisor
+from ._supervisor import RunResult, Supervisor
 from ._tracebacks import ipython_shell
 from ._transport import Transport, transport_for
 
@@ -193,7 +193,7 @@ def notebook_launcher(
 
 def _run_attempts(
     transport: Transport, plan: LaunchPlan, live_view: Observer | None
-) -> tuple[AttemptResult, list[str], int, int]:
+) -> tuple[RunResult, list[str], int, int]:
     """Attempts until one succeeds or the restarts run out: (result, logs, port, restarts)."""
     __tracebackhide__ = True
     attempt = 0
@@ -225,7 +225,7 @@ def _run_attempt(
     number: int,
     router: OutputRouter,
     live_view: Observer | None,
-) -> tuple[AttemptResult, int]:
+) -> tuple[RunResult, int]:
     """One attempt, wherever its ranks run: (its result, the rendezvous port)."""
     __tracebackhide__ = True
     envs, host = transport.open(plan, number)

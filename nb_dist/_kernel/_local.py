@@ -3,29 +3,83 @@
 Runs in the kernel. :meth:`LocalTransport.decide` is ``_plan.decide`` (this machine's
 devices, the threads fork can give, the function shipped for spawn and forkserver);
 :meth:`LocalTransport.open` opens the kernel's store, scratch folder and environments
-(``_attempt.AttemptSetup``) for one attempt or one start of live ranks, and gives them to a
-:class:`LocalHost`, which starts the ranks with ``_start.start_all`` and frees all of it
-when the run (or the session) is over.
+(``_run_setup.RunSetup``) for one attempt or one start of live ranks, and gives them to a
+:class:`LocalHost`, which starts the ranks (:func:`start_all`) and frees all of it when the
+run (or the session) is over.
+
+Starting: each rank gets five pipes (four to the kernel, ``commands`` from it; see
+``_protocol.py``) and two shared ones, the **lifeline** (the kernel keeps its only write end;
+when the kernel dies, every rank reads EOF and kills itself, besides the parent-death signal)
+and the **start gate** (no rank runs user code before all are started;
+``_rank/_entry._wait_for_gate``), both from ``_shared/_starting.py``, which a cluster node's
+agent uses too. A forked rank closes every kernel-side end it inherited (other ranks' read
+ends, the lifeline's and the gate's write ends), or EOF would never come.
 """
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 
-from .._rank._spec import RankSpec
-from . import _openmp, _plan, _ports, _start, _warm
-from ._attempt import AttemptSetup
+from .._rank._spec import RankChannels, RankSpec
+from .._shared._starting import gated_start
+from . import _openmp, _plan, _ports, _processes, _warm
 from ._options import LaunchOptions
 from ._plan import LaunchPlan
+from ._rank_handle import Rank
+from ._run_setup import RunSetup
 from ._supervisor import Supervisor
+
+#: Builds one rank's spec from its local rank and the kernel-side fds it must close.
+SpecFor = Callable[[int, list[int]], RankSpec]
+
+#: Pipe ends the kernel holds for ranks that may outlive their start (live ranks, a rank kept
+#: for a post-mortem). A rank forked later closes them too: a copy in another process would
+#: keep a closed ``commands`` pipe or a lifeline from ever reaching EOF.
+_kernel_ends: weakref.WeakSet[Connection] = weakref.WeakSet()
+
+
+def _other_kernel_ends() -> list[int]:
+    return [conn.fileno() for conn in list(_kernel_ends) if not conn.closed]
+
+
+def start_all(method: str, ranks: list[Rank], spec_for: SpecFor) -> Connection:
+    """Start every rank, then open the gate; the lifeline's write end, for the kernel to keep.
+
+    If a rank cannot start (or an interrupt arrives), the ranks already started are killed
+    while they still wait at the gate, so none runs the function (``_starting.gated_start``).
+    """
+    context = _processes.forkserver_context() if method == "forkserver" else None
+
+    def kill_started() -> None:
+        for rank in ranks:
+            rank.kill()
+
+    with gated_start(kill_started) as gate:
+        kernel_ends = [*gate.starter_fds(), *_other_kernel_ends()]
+        for rank in ranks:
+            writers = rank.open_pipes()
+            channels = RankChannels(**writers, lifeline=gate.lifeline_end, gate=gate.gate_end)
+            kernel_fds = [c.fileno() for r in ranks for c in r.kernel_ends()] + kernel_ends
+            try:
+                process = _processes.start(
+                    method, spec_for(rank.index, kernel_fds), channels, context
+                )
+            finally:
+                for writer in writers.values():  # the rank has its own copies now
+                    writer.close()
+            rank.attach(process)
+    _kernel_ends.update([gate.lifeline, *(c for rank in ranks for c in rank.kernel_ends())])
+    return gate.lifeline
 
 
 class LocalHost:
     """The supervisor's ``RankHost`` for ranks on this machine (fork, spawn or forkserver):
     it owns what the ranks share (``setup``: the store, the folder), closed with it."""
 
-    def __init__(self, setup: AttemptSetup, restart: bool) -> None:
-        self._setup: AttemptSetup | None = setup
+    def __init__(self, setup: RunSetup, restart: bool) -> None:
+        self._setup: RunSetup | None = setup
         self._restart = restart
         self._supervisor: Supervisor | None = None
 
@@ -38,9 +92,9 @@ class LocalHost:
         def spec_for(index: int, kernel_fds: list[int]) -> RankSpec:
             return plan.rank_spec(index, supervisor.rank_envs[index], kernel_fds)
 
-        lifeline = _start.start_all(plan.start_method, supervisor.ranks, spec_for)
+        lifeline = start_all(plan.start_method, supervisor.ranks, spec_for)
         # Who may hold a port later: a busy port held by one of these is named as ours.
-        pids = (w.outcome.pid for w in supervisor.ranks if w.outcome.pid)
+        pids = (rank.outcome.pid for rank in supervisor.ranks if rank.outcome.pid)
         _ports.started_rank_pids.update(pids)
         return lifeline
 
@@ -65,7 +119,7 @@ class LocalTransport:
         return _plan.decide(plan, options)
 
     def open(self, plan: LaunchPlan, number: int) -> tuple[list[dict[str, str]], LocalHost]:
-        setup = AttemptSetup(plan, number, "nb_dist_ranks_" if plan.session else "nb_dist_run_")
+        setup = RunSetup(plan, number, "nb_dist_ranks_" if plan.session else "nb_dist_run_")
         return setup.envs, LocalHost(setup, restart=number > 0)
 
     def interrupted(self) -> None:

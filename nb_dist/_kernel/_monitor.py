@@ -106,25 +106,25 @@ class LaunchMonitor(_WidgetView):
         return widgets.VBox([self._title, *(r[0] for r in self._rows), self._plot])
 
     # ------------------------------------------------------------- observer hooks
-    def started(self, local_rank: int) -> None:
-        self.status[local_rank] = "running"
-        self.started_at[local_rank] = time.monotonic()
+    def started(self, index: int) -> None:
+        self.status[index] = "running"
+        self.started_at[index] = time.monotonic()
         self._dirty = True
 
-    def paused(self, local_rank: int, paused: bool) -> None:
+    def paused(self, index: int, paused: bool) -> None:
         """A rank stopped in the debugger (``nb_dist.breakpoint``), or went on."""
-        self.status[local_rank] = "paused" if paused else "running"
+        self.status[index] = "paused" if paused else "running"
         self._dirty = True
         self.refresh(force=True)  # the loop waits for the notebook now: draw it before
 
-    def lines(self, local_rank: int, stream: str, lines: list[str]) -> None:
-        tail = self.tails[local_rank]
+    def lines(self, index: int, stream: str, lines: list[str]) -> None:
+        tail = self.tails[index]
         tail.extend(lines)
         del tail[:-_TAIL_LINES]
         self._dirty = True
 
-    def reports(self, local_rank: int, entries: list[tuple[str, Any]]) -> None:
-        rank = self.ranks[local_rank]
+    def reports(self, index: int, entries: list[tuple[str, Any]]) -> None:
+        rank = self.ranks[index]
         for name, (step, value) in entries:
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 steps, values = self.scalars.setdefault(name, {}).setdefault(rank, ([], []))
@@ -132,16 +132,16 @@ class LaunchMonitor(_WidgetView):
                 values.append(float(value))
                 self._plot_dirty = True
 
-    def progress(self, local_rank: int, key: str, count: int, total: int | None) -> None:
-        self.progress_state[local_rank] = (key, count, total)
+    def progress(self, index: int, key: str, count: int, total: int | None) -> None:
+        self.progress_state[index] = (key, count, total)
         self._dirty = True
 
-    def finished(self, local_rank: int, outcome: RankOutcome) -> None:
-        self.status[local_rank] = _status_word(outcome.status)
-        self.ended[local_rank] = time.monotonic()
+    def finished(self, index: int, outcome: RankOutcome) -> None:
+        self.status[index] = _status_word(outcome.status)
+        self.ended[index] = time.monotonic()
         if outcome.status in ("failed", "collateral"):
             what = f"{outcome.exc_type}: {outcome.message}" if outcome.exc_type else outcome.message
-            self.errors[local_rank] = what or "failed"
+            self.errors[index] = what or "failed"
         self._dirty = True
 
     def tick(self) -> None:

@@ -15,7 +15,7 @@ is the one reported):
 
 The plan then says everything an attempt needs, as plain data: ranks, devices, backend,
 threads, timeouts, output modes, the function (or its bytes). Each rank's environment (a
-superset of torchrun's) is built from it per attempt (``_attempt.rank_env``), with the
+superset of torchrun's) is built from it per attempt (``_run_setup.rank_env``), with the
 rendezvous port of the store opened for that attempt.
 """
 
@@ -88,12 +88,16 @@ class LaunchPlan:
     def backend(self) -> str:
         return "nccl" if self.use_gpu else "gloo"
 
-    def rank_spec(self, local_rank: int, env: dict[str, str], close_fds: list[int]) -> RankSpec:
-        """What one rank is told: its rank, environment, and the function (or its bytes)."""
+    def rank_spec(
+        self, index: int, env: dict[str, str], close_fds: list[int], local_rank: int | None = None
+    ) -> RankSpec:
+        """What the rank at ``index`` (among the kernel's ranks) is told: its rank, its
+        ``LOCAL_RANK`` (``index`` on this machine; on a cluster, its place on its node), its
+        environment, and the function (or its bytes)."""
         shipped = self.payload is not None
         return RankSpec(
-            rank=self.ranks[local_rank],
-            local_rank=local_rank,
+            rank=self.ranks[index],
+            local_rank=index if local_rank is None else local_rank,
             env=env,
             threads=self.threads,
             init_process_group=self.init_process_group,

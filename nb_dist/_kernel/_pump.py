@@ -70,8 +70,6 @@ class Run:
     rdzv_complete: bool = False
     #: Seconds spent waiting for the notebook to answer a debugger (not counted as work).
     paused_for: float = 0.0
-    #: When a rank of the run failed (moved on by the time spent at a debugger's prompt).
-    failed_at: float | None = None
 
 
 OnMessage = Callable[[Rank, _protocol.Message], None]

@@ -85,6 +85,11 @@ class Rank:
         self.stack.clear()
         self.stop_requested = False
 
+    def blame(self, exc_type: str, message: str) -> None:
+        """Name what ended this rank's task, as the kernel found it (a skipped collective),
+        not an exception of its own."""
+        self.outcome.exc_type, self.outcome.message = exc_type, message
+
     def request_stop(self) -> None:
         """The kernel is stopping this rank: its end is not a failure of its own, unless its
         process had ended before the stop reached it (``RankProcess.ended_unasked``)."""

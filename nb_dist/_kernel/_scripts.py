@@ -1,7 +1,7 @@
 """The scripts people already run with ``torchrun``, run from a cell or a terminal instead.
 
 ``run_script("train.py", "--epochs", "2", num_processes=2)`` is a launch whose function runs
-the file as ``__main__`` in every rank (``_rank/_script.py``): the full launch contract
+the file as ``__main__`` in every rank (``_rank/_as_main.py``): the full launch contract
 (``[rank K]`` output, the root cause first, hang stacks, ■, ``max_restarts``, no orphans)
 for code written for torchrun, unchanged. ``%torchrun`` (``%load_ext nb_dist``) and
 ``nb-dist run`` take torchrun's own options, so ``!torchrun --nproc-per-node 2 train.py``
@@ -15,7 +15,7 @@ import os
 import shlex
 from typing import Any
 
-from .._rank._script import run_as_main
+from .._rank._as_main import run_as_main
 from ._launcher import notebook_launcher
 from ._result import LaunchResult
 

@@ -53,7 +53,7 @@ _Error = TypeVar("_Error", bound=_LaunchError)
 
 
 @dataclass
-class AttemptResult:
+class RunResult:
     values: list[Any]
     reports: Reports
     outcomes: list[RankOutcome]
@@ -85,9 +85,10 @@ class Supervisor:
 
     The loop's public surface, for an owner that drives it run by run (a live session):
     ``start_and_watch``, ``watch``, ``read``, ``read_until``, ``poll_processes``,
-    ``set_status``, ``stacks``, ``stuck_views``, ``counter_file``, ``stop_all``, ``result``,
-    ``logs``, ``with_reports`` and ``close``; its state: ``config``, ``host``, ``ranks``,
-    ``held`` and ``current`` (the run now going on, which such an owner replaces per task).
+    ``set_status``, ``stacks``, ``stuck_views``, ``counter_file``, ``stop_all``,
+    ``stop_for_failure``, ``mute_view``, ``result``, ``logs``, ``with_reports`` and
+    ``close``; its state: ``config``, ``host``, ``ranks``, ``held`` and ``current`` (the run
+    now going on, which such an owner replaces per task).
     """
 
     def __init__(
@@ -149,7 +150,7 @@ class Supervisor:
         return self.current.imports
 
     # ----------------------------------------------------------------- the attempt
-    def run(self) -> AttemptResult:
+    def run(self) -> RunResult:
         __tracebackhide__ = True
         try:
             self.start_and_watch()
@@ -196,13 +197,15 @@ class Supervisor:
     def watch(self, deadline: float | None) -> bool:
         """Pump events until every rank has ended. Returns True if the deadline passed."""
         run = self.current
-        while not all(w.finished for w in run.ranks):
+        while not all(rank.finished for rank in run.ranks):
             now = time.monotonic()
-            if _watchdogs.late(deadline, run.paused_for, now) and any(w.alive for w in run.ranks):
+            if _watchdogs.late(deadline, run.paused_for, now) and any(
+                rank.alive for rank in run.ranks
+            ):
                 return True
             # A rank whose pipes closed is exiting and no event will wake the select: reap it
             # within milliseconds, not a whole poll interval (~0.1 s per launch).
-            exiting = any(w.alive and w.control_closed_at is not None for w in run.ranks)
+            exiting = any(rank.alive and rank.control_closed_at is not None for rank in run.ranks)
             wait = _watchdogs.next_wait(
                 self.config.poll_interval, exiting, deadline, run.paused_for, now
             )
@@ -272,8 +275,6 @@ class Supervisor:
                 self.current.observer.paused(rank.index, False)
             paused = time.monotonic() - began
             self.current.paused_for += paused  # time at a prompt is neither work nor a hang
-            if self.current.failed_at is not None:
-                self.current.failed_at += paused
 
     def _read_and_poll(self, wait: float) -> None:
         """Read the pipes, then notice ranks that ended (a debugger waits on both)."""
@@ -319,10 +320,19 @@ class Supervisor:
                 or (failed_exit and not rank.stop_requested)
                 or (rank.outcome.status == "failed")
             ):
-                self.current.failure_seen = True
                 self._hold_for_post_mortem(rank)
-                self.stop_all()
+                self.stop_for_failure()
                 return
+
+    def stop_for_failure(self) -> None:
+        """The run's owner found a failure it cannot go on from: stop every rank, and handle
+        no other failure of this run."""
+        self.current.failure_seen = True
+        self.stop_all()
+
+    def mute_view(self) -> None:
+        """The run's live view hears no more of it (what follows is not the cell's work)."""
+        self.current.observer = None
 
     def _hold_for_post_mortem(self, rank: Rank) -> None:
         """``debug="postmortem"``: the first rank to fail stays at its exception, not stopped."""
@@ -356,12 +366,14 @@ class Supervisor:
     def _check_rendezvous(self) -> None:
         """Stop a rendezvous that has not completed ``rendezvous_timeout`` s after it began."""
         limit = self.config.rendezvous_timeout
-        entered = [w.rendezvous.entered_at for w in self.current.ranks if w.rendezvous.entered_at]
+        entered = [
+            rank.rendezvous.entered_at for rank in self.current.ranks if rank.rendezvous.entered_at
+        ]
         if limit is None or not entered or self.current.rdzv_complete:
             return
         if self.current.failure_seen:
             return  # a rank failed: the failure report explains, not the rendezvous
-        if all(w.rendezvous.done for w in self.current.ranks):
+        if all(rank.rendezvous.done for rank in self.current.ranks):
             self.current.rdzv_complete = True
         elif _watchdogs.rendezvous_overdue(entered, limit, time.monotonic()):
             assert limit is not None
@@ -429,12 +441,12 @@ class Supervisor:
         self.host.close()
 
     # ----------------------------------------------------------------- results
-    def result(self) -> AttemptResult:
+    def result(self) -> RunResult:
         """The current run's values, or raise its root cause (a post-mortem attached if a
         failed rank is held at its prompt)."""
         outcomes = [w.outcome for w in self.current.ranks]
         if all(o.status == "ok" for o in outcomes):
-            return AttemptResult(
+            return RunResult(
                 values=[w.value for w in self.current.ranks],
                 reports=self.current.reports,
                 outcomes=outcomes,
@@ -470,8 +482,8 @@ class Supervisor:
     ) -> list[_diagnosis.StuckRank]:
         """Every rank for a timeout report: where the live ones were, their collectives."""
         return [
-            w.stuck_view(w in live, frames.get(w.index), self.counter_file(w))
-            for w in self.current.ranks
+            rank.stuck_view(rank in live, frames.get(rank.index), self.counter_file(rank))
+            for rank in self.current.ranks
         ]
 
     def _held_at_its_prompt(self) -> Rank | None:
@@ -492,7 +504,7 @@ class Supervisor:
 
     def _stop_with_stacks(self) -> tuple[list[Rank], dict[int, list[_diagnosis.Frame]]]:
         """Take the stacks of the live ranks, then stop everything: (who was live, stacks)."""
-        live = [w for w in self.current.ranks if w.alive]
+        live = [rank for rank in self.current.ranks if rank.alive]
         frames = self.stacks(live)
         self.stop_all()
         self._drain_and_reap()
@@ -503,15 +515,18 @@ class Supervisor:
         views = self.stuck_views(live, frames)
         timeout = self.config.timeout or 0.0
         text, stacks = _diagnosis.timeout_report(timeout, views)
-        outcomes = [w.outcome for w in self.current.ranks]
+        outcomes = [rank.outcome for rank in self.current.ranks]
         return self.with_reports(LaunchTimeoutError(text, timeout, stacks, outcomes, self.logs()))
 
     def _rendezvous_error(self, limit: float) -> RendezvousTimeoutError:
         live, frames = self._stop_with_stacks()
         now = time.monotonic()
-        views = [w.rendezvous_view(now, w in live, frames.get(w.index)) for w in self.current.ranks]
+        views = [
+            rank.rendezvous_view(now, rank in live, frames.get(rank.index))
+            for rank in self.current.ranks
+        ]
         text, stacks = _diagnosis.rendezvous_report(limit, len(self.current.ranks), views)
-        outcomes = [w.outcome for w in self.current.ranks]
+        outcomes = [rank.outcome for rank in self.current.ranks]
         error = RendezvousTimeoutError(text, limit, stacks, outcomes, self.logs())
         return self.with_reports(error)
 
@@ -521,13 +536,13 @@ class Supervisor:
 
     def logs(self) -> list[str]:
         """The current run's log text, one per rank, for an error."""
-        return [self.current.router.log_text(w.index) for w in self.current.ranks]
+        return [self.current.router.log_text(rank.index) for rank in self.current.ranks]
 
     def with_reports(self, error: _Error) -> _Error:
         """``error`` carrying the current run's reports."""
         error.reports = self.current.reports
         return error
 
-    def _raise(self, error: WorkerFailedError) -> AttemptResult:
+    def _raise(self, error: WorkerFailedError) -> RunResult:
         __tracebackhide__ = True
         raise self.with_reports(error)

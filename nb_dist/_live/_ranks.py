@@ -4,7 +4,7 @@ Where a launch is one function, start to finish, a :class:`Ranks` session keeps 
 ranks (and their process group) alive, so a walkthrough can go one step per cell: build
 the model on every rank, look at each rank's gradients, all-reduce, look again. The ranks
 are the launcher's ranks, started and watched by the same pieces (``_plan`` checks,
-``_start``, the supervisor's loop, ``_diagnosis``), serving tasks (``_serve.py``) under a
+``_local``, the supervisor's loop, ``_diagnosis``), serving tasks (``_serve.py``) under a
 :class:`~_session.SessionSupervisor`; every cell inherits the launcher's contract: labelled
 output in the cell, root causes, timeouts with stacks, interrupts, no orphans.
 """
@@ -158,7 +158,7 @@ class Ranks:
 
     @staticmethod
     def pids_of(supervisor: SessionSupervisor) -> list[int]:
-        return [w.outcome.pid for w in supervisor.ranks if w.outcome.pid]
+        return [rank.outcome.pid for rank in supervisor.ranks if rank.outcome.pid]
 
     def _router(self) -> OutputRouter:
         plan = self.plan

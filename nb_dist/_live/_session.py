@@ -40,7 +40,7 @@ from .._kernel._plan import LaunchPlan
 from .._kernel._processes import signal_name
 from .._kernel._pump import Policy
 from .._kernel._rank_handle import Rank
-from .._kernel._supervisor import AttemptResult, RankHost, Supervisor
+from .._kernel._supervisor import RankHost, RunResult, Supervisor
 from .._rank import _regroup
 from .._shared import _collectives, _protocol, _shipping
 
@@ -88,6 +88,9 @@ class _TaskMarks:
     #: they have not changed.
     deadlock_key: tuple[tuple[int, int], ...] | None = None
     deadlock_since: float | None = None
+    #: When a rank of the task failed, on the task's clock: time at a debugger's prompt
+    #: (``Run.paused_for``) does not count.
+    failed_at: float | None = None
 
 
 class SessionSupervisor:
@@ -161,13 +164,13 @@ class SessionSupervisor:
 
     @property
     def alive(self) -> bool:
-        return self.lost is None and all(w.alive for w in self.ranks)
+        return self.lost is None and all(rank.alive for rank in self.ranks)
 
     # ----------------------------------------------------------------- one task
     def check_ready(self) -> str | None:
         """Before a task: ``None``, or a notice that the ranks' collective counts differ."""
         self.loop.poll_processes()
-        dead = [w for w in self.ranks if not w.alive]
+        dead = [rank for rank in self.ranks if not rank.alive]
         if dead:
             code = dead[0].returncode
             name = signal_name(-code) if code is not None and code < 0 else None
@@ -175,18 +178,18 @@ class SessionSupervisor:
             self.lost = Lost(f"rank {dead[0].outcome.rank} ended between cells: {how}", True)
             self.close()
             return None
-        busy = [w for w in self.ranks if not _idle(w)]
+        busy = [rank for rank in self.ranks if not _idle(rank)]
         if busy:  # a cell left running (a second interrupt cut its ending short)
             stuck = self._settle(busy)
             if stuck:
-                names = ", ".join(str(w.outcome.rank) for w in stuck)
+                names = ", ".join(str(rank.outcome.rank) for rank in stuck)
                 self.lost = Lost(
                     f"rank {names} was still busy with an earlier cell and could not be "
                     "interrupted", dead_rank=False,
                 )  # fmt: skip
                 self.close()
                 return None
-        counts = {w.outcome.rank: w.collectives for w in self.ranks}
+        counts = {rank.outcome.rank: rank.collectives for rank in self.ranks}
         if len(set(counts.values())) > 1:
             listed = ", ".join(f"rank {r}: {n}" for r, n in counts.items())
             return (
@@ -203,7 +206,7 @@ class SessionSupervisor:
         router: OutputRouter,
         observer: Observer | None,
         timeout: float | None,
-    ) -> AttemptResult:
+    ) -> RunResult:
         """Run one task on ``local_ranks``: their values, or a launch error (see the module)."""
         __tracebackhide__ = True
         policy = Policy(
@@ -250,7 +253,9 @@ class SessionSupervisor:
     def _on_task_failure(self) -> None:
         """A task's policy: a dead rank ends the session; a failed one gets the others
         interrupted, and a rank no interrupt reaches ends the session."""
-        dead = [w for w in self.loop.current.ranks if not w.alive and not w.stop_requested]
+        dead = [
+            rank for rank in self.loop.current.ranks if not rank.alive and not rank.stop_requested
+        ]
         if dead and self.lost is None:
             who = dead[0]
             self.lost = Lost(
@@ -258,18 +263,19 @@ class SessionSupervisor:
                 "rank was stopped and their state is lost. Call restart() for fresh ranks.",
                 dead_rank=True,
             )
-            self.loop.current.failure_seen = True
-            self.loop.stop_all()
+            self.loop.stop_for_failure()
             return
-        failed = any(w.failure is not None for w in self.loop.current.ranks)
+        failed = any(rank.failure is not None for rank in self.loop.current.ranks)
         if not failed or self.lost is not None:
             return
-        now = time.monotonic()
-        if self.loop.current.failed_at is None:
-            self.loop.current.failed_at = now
+        now = time.monotonic() - self.loop.current.paused_for  # the task's clock
+        if self._marks.failed_at is None:
+            self._marks.failed_at = now
         # The failed rank itself is finishing (its Idle, or its post-mortem) on its own.
-        running = [w for w in self.loop.current.ranks if not w.finished and w.failure is None]
-        phase = _watchdogs.after_failure(self.loop.current.failed_at, now)
+        running = [
+            rank for rank in self.loop.current.ranks if not rank.finished and rank.failure is None
+        ]
+        phase = _watchdogs.after_failure(self._marks.failed_at, now)
         if running and phase == "interrupt":
             self._interrupt(running)
         elif running and phase == "give up":
@@ -297,7 +303,7 @@ class SessionSupervisor:
             return False
         # The calls below are not the cell's work: its live view (which knows only the cell's
         # ranks) does not hear of them; it is closed with the cell's error.
-        self.loop.current.observer = None
+        self.loop.mute_view()
         try:
             peers = self._rank_endpoints()
         except Exception:  # an agent that cannot read them: stopped, as when nothing frees
@@ -306,19 +312,19 @@ class SessionSupervisor:
         dropped: set[int] = set()
         deadline = time.monotonic() + RELEASE_LIMIT
         while True:
-            if not all(w.alive for w in self.ranks):
+            if not all(rank.alive for rank in self.ranks):
                 return False
-            waiting = [w for w in self.ranks if not _idle(w)]
+            waiting = [rank for rank in self.ranks if not _idle(rank)]
             if not waiting:
                 break
-            fresh = [w for w in self.ranks if _idle(w) and w.index not in dropped]
+            fresh = [rank for rank in self.ranks if _idle(rank) and rank.index not in dropped]
             if not fresh or time.monotonic() >= deadline:
                 return False
-            dropped.update(w.index for w in fresh)
+            dropped.update(rank.index for rank in fresh)
             if self._call(fresh, _regroup.drop_connections, peers, limit=2.0):
                 return False
             self.loop.read_until(
-                lambda waiting=waiting: all(_idle(w) for w in waiting),  # type: ignore[misc]
+                lambda waiting=waiting: all(_idle(rank) for rank in waiting),  # type: ignore[misc]
                 max(0.0, deadline - time.monotonic()),
             )
         self._generation += 1
@@ -326,7 +332,7 @@ class SessionSupervisor:
             list(self.ranks), _regroup.regroup, self._generation, REGROUP_LIMIT,
             limit=REGROUP_LIMIT + 5.0,
         )  # fmt: skip
-        return not failed and all(w.alive for w in self.ranks)
+        return not failed and all(rank.alive for rank in self.ranks)
 
     def _rank_endpoints(self) -> list[tuple[str, int]]:
         """Every rank's TCP socket addresses: read where the ranks run (on a cluster, by each
@@ -334,7 +340,7 @@ class SessionSupervisor:
         found = self.loop.host.endpoints()
         if found is not None:
             return found
-        pids = [w.process.pid for w in self.ranks if w.process is not None]
+        pids = [rank.process.pid for rank in self.ranks if rank.process is not None]
         return _regroup.endpoints(pids)
 
     def _free_or_stop(self, stuck: list[Rank], freed: str, lost: str) -> bool:
@@ -366,7 +372,7 @@ class SessionSupervisor:
         """End the cell when the counts prove a deadlock (``_diagnosis.skipped_collective``)
         that has looked the same for ``DEADLOCK_SETTLE`` s: no rank can leave it."""
         run = self.loop.current
-        if self.lost is not None or run.failure_seen or run.failed_at is not None:
+        if self.lost is not None or run.failure_seen or self._marks.failed_at is not None:
             return
         if any(w.failure is not None for w in run.ranks):
             return  # a failure's own path interrupts the others
@@ -401,8 +407,7 @@ class SessionSupervisor:
             "The blocked ranks could not be freed, so every rank was stopped: the session was "
             "restarted with fresh ranks and every rank's state was lost.",
         )
-        root.outcome.exc_type = "SkippedCollective"
-        root.outcome.message = text.split("\n", 1)[0]
+        root.blame("SkippedCollective", text.split("\n", 1)[0])
         outcomes = [w.outcome for w in run.ranks]
         message = f"{text}\n\n{self._note()}"
         raise self.loop.with_reports(
@@ -427,32 +432,33 @@ class SessionSupervisor:
 
     def _give_up(self, reason: str) -> None:
         self.lost = Lost(reason, dead_rank=False)
-        self.loop.current.failure_seen = True
-        self.loop.stop_all()
+        self.loop.stop_for_failure()
 
     def _settle_interrupted(self) -> list[Rank]:
         """Interrupt the running ranks and wait for them; those that did not stop."""
-        return self._settle([w for w in self.loop.current.ranks if not w.finished and w.alive])
+        return self._settle(
+            [rank for rank in self.loop.current.ranks if not rank.finished and rank.alive]
+        )
 
     def _settle(self, running: list[Rank]) -> list[Rank]:
         """Interrupt ``running`` and wait until each is idle again; those that are not."""
         self._marks.interrupted = False  # the first interrupt goes now
         self._interrupt(running)
         self.loop.read_until(
-            lambda: all(_idle(w) for w in running),
+            lambda: all(_idle(rank) for rank in running),
             _watchdogs.INTERRUPT_GRACE,
-            each=lambda: self._interrupt([w for w in running if not _idle(w)]),
+            each=lambda: self._interrupt([rank for rank in running if not _idle(rank)]),
         )
-        return [w for w in running if not _idle(w)]
+        return [rank for rank in running if not _idle(rank)]
 
     def _interrupted_error(self) -> KeyboardInterrupt:
         try:
             stuck = self._settle_interrupted()
         except KeyboardInterrupt:  # a second interrupt: no more waiting
-            stuck = [w for w in self.loop.current.ranks if not w.finished]
-        ranks = ", ".join(str(w.outcome.rank) for w in self.loop.current.ranks)
+            stuck = [rank for rank in self.loop.current.ranks if not rank.finished]
+        ranks = ", ".join(str(rank.outcome.rank) for rank in self.loop.current.ranks)
         if stuck:
-            names = ", ".join(str(w.outcome.rank) for w in stuck)
+            names = ", ".join(str(rank.outcome.rank) for rank in stuck)
             self._free_or_stop(
                 stuck,
                 f"rank {names} did not stop (blocked in native code, e.g. a collective) and "
@@ -470,14 +476,14 @@ class SessionSupervisor:
         return LaunchInterrupted(text)
 
     def _task_timeout(self, timeout: float) -> LaunchTimeoutError:
-        live = [w for w in self.loop.current.ranks if w.alive and not w.finished]
+        live = [rank for rank in self.loop.current.ranks if rank.alive and not rank.finished]
         frames = self.loop.stacks(live)
         text, stacks = _diagnosis.timeout_report(
             timeout, self.loop.stuck_views(live, frames), "cell"
         )
         stuck = self._settle_interrupted()
         if stuck:
-            names = ", ".join(str(w.outcome.rank) for w in stuck)
+            names = ", ".join(str(rank.outcome.rank) for rank in stuck)
             self._free_or_stop(
                 stuck,
                 f"Rank {names} did not stop when interrupted and was freed.",
@@ -485,7 +491,7 @@ class SessionSupervisor:
                 "session was restarted with fresh ranks and every rank's state was lost.",
             )
         text += "\n\n" + self._note()
-        outcomes = [w.outcome for w in self.loop.current.ranks]
+        outcomes = [rank.outcome for rank in self.loop.current.ranks]
         error = LaunchTimeoutError(text, timeout, stacks, outcomes, self.loop.logs())
         return self.loop.with_reports(error)
 

@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
-from .._kernel import _processes
+from .._kernel import _cuda_touches, _processes
 from .._rank import _regroup
 from .._rank._spec import RankChannels, RankSpec
 from .._shared import _clock, _collectives
@@ -71,6 +71,9 @@ class NodeAgent:
     """One node's ranks for the kernel; every method is called through Ray."""
 
     def __init__(self, method: str = "forkserver") -> None:
+        # ``import nb_dist`` waits for torch to record where CUDA is first touched, for a
+        # launch to name; an agent never launches, and imports torch for its store only.
+        _cuda_touches.not_needed()
         self._niceness = _node_niceness()
         self._forkserver: threading.Thread | None = None
         if method == "forkserver":  # its imports overlap the launch's other preparations
@@ -136,7 +139,7 @@ class NodeAgent:
     def start(self, run: int, method: str, specs: list[RankSpec]) -> list[int]:
         """Start this node's ranks of run ``run`` (``specs`` in the kernel's order); their pids.
 
-        As in the kernel (``_kernel/_start.py``): every rank is started before the gate
+        As in the kernel (``_kernel/_local.py``): every rank is started before the gate
         opens, and one that cannot start takes the started ones with it."""
         with self._lock:
             _take_priority(self._niceness)  # before this thread starts a rank (or a server)

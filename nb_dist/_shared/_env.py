@@ -12,7 +12,7 @@ import os
 
 #: Set in a rank's environment (its global rank): a launch from inside a rank is refused
 #: (``_kernel/_preflight.py``), and ``import nb_dist`` does nothing of the kernel's there.
-RANK_ENV_FLAG = "NB_DIST_WORKER_RANK"
+RANK_ENV_FLAG = "NB_DIST_IN_RANK"
 
 _OFF = frozenset({"0", "false", "no", "off"})
 

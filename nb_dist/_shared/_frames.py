@@ -21,13 +21,13 @@ ENTRY_FILE = os.path.join(PACKAGE_DIR, "_rank", "_entry.py")
 #: this call has returned from the function (native code frees its locals).
 FUNCTION_CALL = (os.path.join(PACKAGE_DIR, "_rank", "_oneshot.py"), "run")
 #: The files whose frames run the user's code: left out of a failure's traceback (a script
-#: run by ``run_script`` goes through ``_rank/_script.py`` and the standard ``runpy``).
+#: run by ``run_script`` goes through ``_rank/_as_main.py`` and the standard ``runpy``).
 RUNNER_FILES = frozenset(
     {
         ENTRY_FILE,
         FUNCTION_CALL[0],
         os.path.join(PACKAGE_DIR, "_rank", "_serve.py"),
-        os.path.join(PACKAGE_DIR, "_rank", "_script.py"),
+        os.path.join(PACKAGE_DIR, "_rank", "_as_main.py"),
         runpy.run_path.__code__.co_filename,  # "<frozen runpy>" where it is frozen
     }
 )

@@ -4,7 +4,7 @@ Each rank's environment is decided here for every transport (:func:`rank_env`: t
 variables, nb_dist's hand-offs, the rank's error file and collective counter); a cluster
 adds its node's layout on top.
 
-A launch opens one :class:`AttemptSetup` per try (restarts open another); live ranks open one per
+A launch opens one :class:`RunSetup` per try (restarts open another); live ranks open one per
 start and keep it until they stop. Either way the kernel hosts the rendezvous store (on node
 0), each rank gets an error file and a collective counter in a private folder, and each
 rank's environment names them. Runs in the kernel.
@@ -23,7 +23,7 @@ from . import _ports
 from ._plan import LaunchPlan
 
 
-class AttemptSetup:
+class RunSetup:
     """The store, folder and per-rank environments of one attempt; :meth:`close` frees them."""
 
     def __init__(self, plan: LaunchPlan, number: int, folder_prefix: str) -> None:
@@ -54,7 +54,7 @@ class AttemptSetup:
             shutil.rmtree(self.folder, ignore_errors=True)
             self.folder = None
 
-    def __enter__(self) -> AttemptSetup:
+    def __enter__(self) -> RunSetup:
         return self
 
     def __exit__(self, *exc: object) -> None:
