@@ -88,16 +88,18 @@ def test_placement_says_what_can_never_fit():
 @pytest.mark.parametrize(
     ("options", "says"),
     [
-        ({"processes_per_node": 0}, "processes_per_node=0 must be a whole number, 1 or more"),
+        ({"processes_per_node": 0}, "processes_per_node=0 must be a positive whole number"),
         ({"placement": "SPREAD_THIN"}, "placement='SPREAD_THIN' is not one of Ray's strategies"),
         ({"resources_per_rank": {"GPU": -1}}, "each entry must be a resource name and a number"),
         ({"placement_timeout": 0}, "placement_timeout=0 must be a number of seconds above 0"),
-        ({"num_processes": 0}, "num_processes=0 must be a whole number, 1 or more"),
-        ({"num_processes": True}, "num_processes=True must be a whole number, 1 or more"),
+        ({"num_processes": 0}, "num_processes=0 must be a positive whole number"),
+        ({"num_processes": True}, "num_processes=True must be a positive whole number"),
+        ({"num_processes": "2"}, "num_processes='2' must be a positive whole number"),
     ],
 )
 def test_bad_options_are_refused_before_connecting(options, says):
-    with pytest.raises(ValueError) as caught:
+    # The launcher's own check and words for the same options (TypeError for a non-number).
+    with pytest.raises((ValueError, TypeError)) as caught:
         nb_dist.RayCluster("127.0.0.1:9", **options)  # nothing there: never reached
     assert says in str(caught.value)
 

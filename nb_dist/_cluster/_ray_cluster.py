@@ -21,6 +21,7 @@ from typing import Any
 
 from .._kernel._options import LaunchOptions
 from .._kernel._plan import LaunchPlan
+from .._kernel._preflight import check_positive_int
 from . import _connect, _placement, _remote_run
 from ._gang import Gang
 from ._remote_run import ClusterHost
@@ -61,15 +62,9 @@ class RayCluster:
     ) -> None:
         if not isinstance(address, str) or not address:
             raise TypeError(f"address={address!r} must be a string such as 'auto'.")
-        if (
-            isinstance(processes_per_node, bool)
-            or not isinstance(processes_per_node, int)
-            or processes_per_node < 1
-        ):
-            raise ValueError(
-                f"processes_per_node={processes_per_node!r} must be a whole number, 1 or more "
-                "(for example the node's GPU count)."
-            )
+        check_positive_int(
+            "processes_per_node", processes_per_node, "For example the node's GPU count."
+        )
         if placement not in _placement.STRATEGIES:
             raise ValueError(
                 f"placement={placement!r} is not one of Ray's strategies: "
@@ -99,15 +94,12 @@ class RayCluster:
         self.placement = placement
         self.resources_per_rank = {k: float(v) for k, v in per_rank.items()}
         self.placement_timeout = float(placement_timeout)
-        if num_processes is not None and (
-            isinstance(num_processes, bool) or not isinstance(num_processes, int)
-            or num_processes < 1
-        ):  # fmt: skip
-            raise ValueError(
-                f"num_processes={num_processes!r} must be a whole number, 1 or more (the "
-                "ranks your launches will ask for), or None to start the agents at the first "
-                "launch."
-            )
+        if num_processes is not None:
+            check_positive_int(
+                "num_processes", num_processes,
+                "Give the ranks your launches will ask for, or None to start the agents at "
+                "the first launch.",
+            )  # fmt: skip
         self._ray: Any = _connect.ray_module()
         _connect.connect(self._ray, address)
         self._gang: Gang | None = None

@@ -48,16 +48,15 @@ def decide(
     """The plan of a launch on the cluster; ``gang_for(nprocs, start_method)`` reserves its
     nodes."""
     _refuse_local_only(options)
-    if options.num_processes is None:
+    if plan.asked_processes is None:
         raise ValueError(
             "num_processes=None means one process per local GPU; on a cluster say how many "
             "ranks to start in all, e.g. num_processes=8 (processes_per_node of them per node)."
         )
-    nprocs = options.num_processes
+    nprocs = plan.asked_processes
     method = "forkserver" if plan.start_method == "fork" else plan.start_method
     payload, shipped = ship(plan.function, plan.args)
     gang = gang_for(nprocs, method)
-    conf_timeout, _ = _plan.read_rdzv_conf(options.rdzv_conf)  # checked already
     notice = f"shipped {shipped} to {nprocs} ranks on {gang.describe()}."
     return dataclasses.replace(
         plan,
@@ -66,12 +65,12 @@ def decide(
         num_nodes=gang.layout.num_nodes,
         start_method=method,
         use_gpu=use_gpu,
-        threads=_plan.threads_for(options.threads_per_process, gang.threads_per_rank),
+        threads=_plan.threads_for(plan.asked_threads, gang.threads_per_rank),
         warm_imports=False,
         payload=payload,
         linecache_entries=_plan.cell_sources(),
-        rendezvous_timeout=_plan.rendezvous_limit(
-            options.rendezvous_timeout, conf_timeout, CLUSTER_RENDEZVOUS
+        rendezvous_timeout=(
+            CLUSTER_RENDEZVOUS if plan.rendezvous_auto else plan.rendezvous_timeout
         ),
         notices=(*plan.notices, notice),
     )

@@ -79,6 +79,12 @@ class LaunchPlan:
     payload: bytes | None = None  # spawn/forkserver: the function and args, by value
     linecache_entries: dict[str, Any] = field(default_factory=dict)
     notices: tuple[str, ...] = ()
+    #: What the caller asked that the transport decides (``Transport.decide``), checked:
+    #: how many ranks (``None``: one per GPU here), the threads per rank, and whether the
+    #: rendezvous timeout is the transport's own (``"auto"`` and no ``rdzv_conf`` timeout).
+    asked_processes: int | None = None
+    asked_threads: int | None = None
+    rendezvous_auto: bool = False
 
     @property
     def nprocs(self) -> int:
@@ -117,12 +123,12 @@ class LaunchPlan:
         )
 
 
-def decide(plan: LaunchPlan, options: LaunchOptions) -> LaunchPlan:
-    """Steps 3 to 7 on the checked arguments (:func:`check_arguments`): the final plan of
-    ranks on this machine (``_local.LocalTransport.decide``; a cluster decides its own with
-    the same rules for threads and the rendezvous: :func:`threads_for`,
-    :func:`rendezvous_limit`)."""
-    num_processes, threads_per_process = options.num_processes, options.threads_per_process
+def decide(plan: LaunchPlan) -> LaunchPlan:
+    """Steps 3 to 7 on the checked plan (:func:`check_arguments`, which keeps what the
+    caller asked in ``asked_processes``, ``asked_threads`` and ``rendezvous_auto``): the
+    final plan of ranks on this machine (``_local.LocalTransport.decide``; a cluster decides
+    its own from the same fields, with the same rule for threads, :func:`threads_for`)."""
+    num_processes, threads_per_process = plan.asked_processes, plan.asked_threads
     _check_multi_node(plan.num_nodes, plan.port, plan.max_restarts)  # 3. Combinations.
     _preflight.check_process_group()  # 4. The kernel's state.
     _preflight.check_accelerate_state()
@@ -180,8 +186,9 @@ def check_arguments(
         _preflight.check_positive_int("threads_per_process", o.threads_per_process, _THREADS_HINT)
     hang_after = _preflight.check_seconds("hang_notice_after", o.hang_notice_after)
     _check_bool("monitor", o.monitor)
-    auto = RENDEZVOUS_TIMEOUT if nodes == 1 else _MULTI_NODE_RENDEZVOUS
+    auto = RENDEZVOUS_TIMEOUT if nodes == 1 else _MULTI_NODE_RENDEZVOUS  # this machine's
     rdzv_limit = rendezvous_limit(o.rendezvous_timeout, conf_timeout, auto)
+    rdzv_auto = o.rendezvous_timeout == "auto" and conf_timeout is None
     _check_bool("warm_imports", o.warm_imports)
     rich = _rich_output(o.rich_output)
     debug = o.debug
@@ -196,6 +203,8 @@ def check_arguments(
         prefix=o.log_line_prefix_template or DEFAULT_PREFIX, timeout=limit,
         rendezvous_timeout=rdzv_limit, hang_notice_after=hang_after, poll_interval=poll or 0.1,
         warm_imports=o.warm_imports, monitor=o.monitor, notices=tuple(notices), debug=debug,
+        asked_processes=o.num_processes, asked_threads=o.threads_per_process,
+        rendezvous_auto=rdzv_auto,
     )  # fmt: skip
 
 

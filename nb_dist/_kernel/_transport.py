@@ -36,7 +36,9 @@ class Transport(Protocol):
     """Where a launch's ranks run, and what starting them there takes."""
 
     def decide(self, plan: LaunchPlan, options: LaunchOptions) -> LaunchPlan:
-        """The final plan for the checked arguments; raises what refuses the launch."""
+        """The final plan from the checked one (what the caller asked is in its ``asked_*``
+        fields); raises what refuses the launch. ``options`` as passed, for a transport that
+        refuses some (a cluster places its ranks itself: no ``use_port``, ``num_nodes``)."""
         ...
 
     def open(self, plan: LaunchPlan, number: int) -> tuple[list[dict[str, str]], RankHost]:
