@@ -324,6 +324,24 @@ def test_a_launch_that_fails_after_its_store_opened_closes_the_store(cluster, mo
     assert list(nb_dist.notebook_launcher(_warm, (3,), num_processes=2, cluster=cluster)) == [6, 6]
 
 
+def test_a_start_that_fails_on_the_agents_shows_the_agents_error(cluster, monkeypatch):
+    """The agents' own error reaches the cell (no error of nb_dist's cleanup over it), and
+    the next launch works."""
+    import dataclasses
+
+    decide = type(cluster).decide
+
+    def unknown_start_method(self, plan, options):
+        return dataclasses.replace(decide(self, plan, options), start_method="no-such-method")
+
+    monkeypatch.setattr(type(cluster), "decide", unknown_start_method)
+    with pytest.raises(Exception) as caught:
+        nb_dist.notebook_launcher(_warm, (1,), num_processes=2, cluster=cluster)
+    assert "join" not in str(caught.value) and "AssertionError" in str(caught.value)
+    monkeypatch.undo()
+    assert list(nb_dist.notebook_launcher(_warm, (4,), num_processes=2, cluster=cluster)) == [8, 8]
+
+
 def test_a_late_end_of_an_earlier_run_leaves_the_next_runs_store_open(cluster):
     """Agents run calls concurrently: an earlier run's end that arrives after the next run
     opened its store (a slow call, past the kernel's limit) must not close that store."""

@@ -206,7 +206,6 @@ class Gang:
         ]
         for rank in range(len(specs)):
             links[lay.agent[rank]].add_rank(lay.position[rank], theirs[rank], mirrors[rank])
-        forwarder = Forwarder(self.ray, links)
         try:
             refs = [
                 actor.start.remote(
@@ -215,10 +214,12 @@ class Gang:
                 for i, actor in enumerate(self.agents)
             ]
             pids = self.ray.get(refs, timeout=START_LIMIT)
-        except BaseException:
+        except BaseException:  # the agents' own error (or ■) is what the cell shows
             self.end_run(links)
-            forwarder.stop()
+            for link in links:
+                link.close()
             raise
+        forwarder = Forwarder(self.ray, links)  # only now: its threads start with it
         forwarder.start()
         processes = [
             RemoteProcess(

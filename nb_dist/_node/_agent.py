@@ -177,6 +177,10 @@ class NodeAgent:
         try:
             with _plain_main():
                 process = _processes.start(method, spec, channels, context)
+        except BaseException:
+            for conn in (*pipes.readers.values(), pipes.commands):
+                conn.close()  # no rank to read from or to write to
+            raise
         finally:
             for conn in pipes.theirs.values():
                 conn.close()  # the rank has its own copies
