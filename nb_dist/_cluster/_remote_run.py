@@ -172,7 +172,8 @@ def cluster_env(
     plan: LaunchPlan, gang: Gang, rank: int, address: str, port: int, attempt: int, folder: str
 ) -> dict[str, str]:
     """Rank ``rank``'s environment: torchrun's, with its node's ranks, and its collective
-    counter's mirror in ``folder`` (the agent gives the rank a counter on its node)."""
+    counter's mirror in ``folder`` (the agent gives the rank a counter on its node). On a
+    cluster the kernel starts every rank, so a rank's index is its global rank."""
     env = rank_env(plan, rank, port, attempt, folder)
     lay = gang.layout
     node = gang.nodes[lay.agent[rank]]

@@ -21,7 +21,7 @@ from ._tracebacks import ipython_shell
 class _Shown(NamedTuple):
     """One ``display()`` of a rank, as it is published (or held for grouped output)."""
 
-    local_rank: int
+    rank_index: int  # the rank's index among the kernel's ranks
     data: dict[str, Any]
     metadata: dict[str, Any]
     display_id: str | None
@@ -124,40 +124,40 @@ class OutputRouter:
             return self._stderr or sys.stderr
         return self._stdout or sys.stdout
 
-    def shows(self, local_rank: int) -> bool:
+    def shows(self, index: int) -> bool:
         if self.mode == "none":
             return False
-        return self.mode == "all" or self._ranks[local_rank] == 0
+        return self.mode == "all" or self._ranks[index] == 0
 
-    def lines(self, local_rank: int, stream: str, lines: list[str]) -> None:
+    def lines(self, index: int, stream: str, lines: list[str]) -> None:
         if not lines:
             return
-        self.logs[local_rank].extend(lines)
+        self.logs[index].extend(lines)
         lines = [line for line in lines if not is_quiet(line)]
         if not lines:
             return
         if self.observer is not None:
-            self.observer.lines(local_rank, stream, lines)
+            self.observer.lines(index, stream, lines)
         if self.mode == "grouped":
-            self._held[local_rank].extend((stream, line) for line in lines)
-        elif self.shows(local_rank):
-            prefix = self._prefixes[local_rank]
+            self._held[index].extend((stream, line) for line in lines)
+        elif self.shows(index):
+            prefix = self._prefixes[index]
             out = self._stream(stream)
             out.write("".join(f"{prefix}{line}\n" for line in lines))
             out.flush()
 
-    def shows_rich(self, local_rank: int) -> bool:
+    def shows_rich(self, index: int) -> bool:
         """Whether this rank's ``display()`` output is published rich in the cell."""
         if self._rich == "none" or self.mode == "none" or _frontend() is None:
             return False
         if self._rich == "all":
             return True
         ranks = frozenset({0}) if self._rich == "rank0" else self._rich
-        return self._ranks[local_rank] in ranks
+        return self._ranks[index] in ranks
 
     def display(
         self,
-        local_rank: int,
+        index: int,
         data: dict[str, Any],
         metadata: dict[str, Any],
         display_id: str | None,
@@ -169,25 +169,25 @@ class OutputRouter:
         way, and scripts, ``nbconvert`` and ranks not shown rich get the text in the cell.
         """
         text = str(data.get("text/plain", "")).splitlines()
-        if not self.shows_rich(local_rank):
+        if not self.shows_rich(index):
             if update:  # a redraw (a progress table) would repeat the same text lines
-                self.logs[local_rank].extend(text)
+                self.logs[index].extend(text)
             else:
-                self.lines(local_rank, "stdout", text)
+                self.lines(index, "stdout", text)
             return
-        self.logs[local_rank].extend(text)
+        self.logs[index].extend(text)
         if display_id is not None:
-            key = (local_rank, str(display_id))
+            key = (index, str(display_id))
             display_id = self._display_ids.setdefault(key, f"nb_dist-{uuid.uuid4().hex}")
-        shown = _Shown(local_rank, data, metadata, display_id, update)
+        shown = _Shown(index, data, metadata, display_id, update)
         if self.mode == "grouped":
-            self._held[local_rank].append(("display", shown))
+            self._held[index].append(("display", shown))
         else:
             self._publish(shown)
 
-    def clear_output(self, local_rank: int, wait: bool) -> None:
+    def clear_output(self, index: int, wait: bool) -> None:
         """A rank's ``clear_output()`` (progress displays redraw with it): only rank 0's, live."""
-        if self.shows_rich(local_rank) and self._ranks[local_rank] == 0 and self.mode != "grouped":
+        if self.shows_rich(index) and self._ranks[index] == 0 and self.mode != "grouped":
             import IPython.display
 
             for name in ("stdout", "stderr"):
@@ -196,14 +196,14 @@ class OutputRouter:
             clear(wait=wait)
 
     def _publish(self, shown: _Shown) -> None:
-        local_rank, data, metadata, display_id, update = shown
+        index, data, metadata, display_id, update = shown
         import IPython.display
 
         publish: Any = IPython.display.publish_display_data  # untyped in IPython
         for name in ("stdout", "stderr"):
             self._stream(name).flush()  # the rank's earlier prints stay above its display
         if self._rich != "rank0" and not update:
-            self._stream("stdout").write(f"{self._prefixes[local_rank]}(display)\n")
+            self._stream("stdout").write(f"{self._prefixes[index]}(display)\n")
             self._stream("stdout").flush()
         transient = {"display_id": display_id} if display_id is not None else None
         publish(data, metadata, transient=transient, update=update)
@@ -232,6 +232,6 @@ class OutputRouter:
         out.write("".join(f"[nb_dist] {line}\n" for line in text.splitlines()))
         out.flush()
 
-    def log_text(self, local_rank: int) -> str:
-        lines = self.logs[local_rank]
+    def log_text(self, index: int) -> str:
+        lines = self.logs[index]
         return "\n".join(lines) + ("\n" if lines else "")

@@ -61,19 +61,22 @@ class RunSetup:
         self.close()
 
 
-def rank_env(plan: LaunchPlan, local: int, port: int, attempt: int, folder: str) -> dict[str, str]:
-    """One rank's environment, with its error file and collective counter in ``folder``."""
-    env = torchrun_env(plan, local, port, attempt)
-    env.update(rank_files(folder, plan.ranks[local]))
+def rank_env(plan: LaunchPlan, index: int, port: int, attempt: int, folder: str) -> dict[str, str]:
+    """The environment of the rank at ``index`` (among the kernel's ranks), with its error
+    file and collective counter in ``folder``."""
+    env = torchrun_env(plan, index, port, attempt)
+    env.update(rank_files(folder, plan.ranks[index]))
     return env
 
 
-def torchrun_env(plan: LaunchPlan, local_rank: int, port: int, attempt: int) -> dict[str, str]:
-    """The environment torchrun would give this rank, plus nb_dist's own hand-offs."""
-    rank, mixed = plan.ranks[local_rank], plan.mixed_precision
+def torchrun_env(plan: LaunchPlan, index: int, port: int, attempt: int) -> dict[str, str]:
+    """The environment torchrun would give the rank at ``index``, plus nb_dist's own
+    hand-offs. Its ``LOCAL_RANK`` is ``index``, as on this machine; a cluster's rank gets its
+    place on its node instead (``_cluster/_remote_run.cluster_env``)."""
+    rank, mixed = plan.ranks[index], plan.mixed_precision
     env = {
         "RANK": str(rank),
-        "LOCAL_RANK": str(local_rank),
+        "LOCAL_RANK": str(index),
         "WORLD_SIZE": str(plan.world_size),
         "LOCAL_WORLD_SIZE": str(plan.nprocs),
         "NODE_RANK": str(plan.node_rank),
