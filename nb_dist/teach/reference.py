@@ -57,4 +57,28 @@ def average_over_dp(model: Any, dp_group: Any) -> None:
         parameter.grad.div_(size)
 
 
-__all__ = ["average_over_dp", "block_activations", "merge_blocks", "torch_1f1b"]
+def moe_counts_per_rank(expert: Any, experts_per_rank: int, world_size: int) -> Any:
+    """Notebook 19, exercise 19-2: how many of the rows (each for ``expert``, experts placed on
+    the ranks in blocks of ``experts_per_rank``) go to each of the ``world_size`` ranks."""
+    import torch
+
+    return torch.bincount(expert // experts_per_rank, minlength=world_size)
+
+
+def moe_combine(returned: Any, token: Any, gate: Any, n_tokens: int) -> Any:
+    """Notebook 19, exercise 19-3: the MoE layer's output, ``n_tokens`` rows: each token's
+    expert results (the rows of ``returned``) added up, each weighted by its gate."""
+    import torch
+
+    out = torch.zeros(n_tokens, returned.shape[1], dtype=returned.dtype)
+    return out.index_add(0, token, gate[:, None] * returned)
+
+
+__all__ = [
+    "average_over_dp",
+    "block_activations",
+    "merge_blocks",
+    "moe_combine",
+    "moe_counts_per_rank",
+    "torch_1f1b",
+]
