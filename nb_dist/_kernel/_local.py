@@ -22,7 +22,7 @@ import weakref
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
-from .._rank._spec import RankChannels, RankSpec
+from .._rank._spec import RankSpec
 from .._shared._starting import gated_start
 from . import _openmp, _plan, _ports, _processes, _warm
 from ._options import LaunchOptions
@@ -59,17 +59,10 @@ def start_all(method: str, ranks: list[Rank], spec_for: SpecFor) -> Connection:
     with gated_start(kill_started) as gate:
         kernel_ends = [*gate.starter_fds(), *_other_kernel_ends()]
         for rank in ranks:
-            writers = rank.open_pipes()
-            channels = RankChannels(**writers, lifeline=gate.lifeline_end, gate=gate.gate_end)
+            theirs = rank.open_pipes()
             kernel_fds = [c.fileno() for r in ranks for c in r.kernel_ends()] + kernel_ends
-            try:
-                process = _processes.start(
-                    method, spec_for(rank.index, kernel_fds), channels, context
-                )
-            finally:
-                for writer in writers.values():  # the rank has its own copies now
-                    writer.close()
-            rank.attach(process)
+            spec = spec_for(rank.index, kernel_fds)
+            rank.attach(_processes.start_on_pipes(method, spec, theirs, gate, context))
     _kernel_ends.update([gate.lifeline, *(c for rank in ranks for c in rank.kernel_ends())])
     return gate.lifeline
 

@@ -27,12 +27,14 @@ import subprocess
 import sys
 import time
 import warnings
+from multiprocessing.connection import Connection
 from multiprocessing.context import BaseContext
 from typing import Any, Protocol
 
 from .._rank._entry import forkserver_main, run_rank
 from .._rank._spec import RankChannels, RankSpec
 from .._shared._frames import PACKAGE_DIR
+from .._shared._starting import Gate
 
 
 class RankProcess(Protocol):
@@ -84,6 +86,22 @@ def start(
     )
     process.start()
     return _FromForkserver(process)
+
+
+def start_on_pipes(
+    method: str, spec: RankSpec, theirs: dict[str, Connection], gate: Gate,
+    context: BaseContext | None,
+) -> RankProcess:  # fmt: skip
+    """Start one rank on its ends of its pipes (``theirs``, from ``open_rank_pipes``) and of
+    the start gate, then close those ends here: the rank has its own copies, and a copy kept
+    here would keep its pipes from ever reaching EOF. The kernel and a node's agent both
+    start their ranks this way."""
+    channels = RankChannels(**theirs, lifeline=gate.lifeline_end, gate=gate.gate_end)
+    try:
+        return start(method, spec, channels, context)
+    finally:
+        for conn in theirs.values():
+            conn.close()
 
 
 def forkserver_context(preload: bool | None = None) -> BaseContext:

@@ -32,7 +32,7 @@ from typing import Any
 
 from .._kernel import _cuda_touches, _processes
 from .._rank import _regroup
-from .._rank._spec import RankChannels, RankSpec
+from .._rank._spec import RankSpec
 from .._shared import _clock, _collectives
 from .._shared._protocol import COLLECTIVES_ENV
 from .._shared._starting import (
@@ -172,18 +172,14 @@ class NodeAgent:
         spec = dataclasses.replace(
             spec, env={**spec.env, **files}, parent_pid=os.getpid(), close_fds=[]
         )
-        pipes = open_rank_pipes()  # as the kernel opens a local rank's
-        channels = RankChannels(**pipes.theirs, lifeline=gate.lifeline_end, gate=gate.gate_end)
+        pipes = open_rank_pipes()  # started as the kernel starts a local rank
         try:
             with _plain_main():
-                process = _processes.start(method, spec, channels, context)
+                process = _processes.start_on_pipes(method, spec, pipes.theirs, gate, context)
         except BaseException:
             for conn in (*pipes.readers.values(), pipes.commands):
                 conn.close()  # no rank to read from or to write to
             raise
-        finally:
-            for conn in pipes.theirs.values():
-                conn.close()  # the rank has its own copies
         return _Local(
             spec=spec,
             process=process,
