@@ -334,6 +334,62 @@ def test_the_reference_implementations_are_the_exercises_answers():
                                              ("B", 1), ("F", 4), ("B", 2), ("F", 5), ("B", 3),
                                              ("B", 4), ("B", 5)]  # fmt: skip
     assert reference.torch_1f1b(2, 1, 0) == [("F", 0), ("B", 0)]
+    # notebook 16, exercise 16-3 (the interleaved forwards) and the order built from them
+    forwards = reference.interleaved_forwards(2, 2, 4, 1)
+    assert forwards == [(1, 0), (1, 1), (3, 0), (3, 1), (1, 2), (1, 3), (3, 2), (3, 3)]
+    assert reference.interleaved_forwards(4, 1, 4, 2) == [(2, 0), (2, 1), (2, 2), (2, 3)]
+    assert reference.interleaved_1f1b(2, 2, 2, 1) == [("F", 1, 0), ("F", 1, 1), ("F", 3, 0),
+                                                      ("B", 3, 0), ("F", 3, 1), ("B", 3, 1),
+                                                      ("B", 1, 0), ("B", 1, 1)]  # fmt: skip
+    for p, v, m in [(2, 2, 4), (4, 2, 8), (3, 3, 6)]:  # each forward and backward once
+        for r in range(p):
+            order = reference.interleaved_1f1b(p, v, m, r)
+            expected = {(s, j) for s in range(r, v * p, p) for j in range(m)}
+            assert sorted(order) == sorted({(k, s, j) for k in "FB" for s, j in expected})
+    # notebook 18, exercises 18-4 (a 2-D shard) and 18-5 (a pp group)
+    import torch
+
+    full = torch.arange(8 * 4).reshape(8, 4)
+    assert torch.equal(reference.fsdp_tp_shard(full, 0, 1, 0, 2, 2), full[2:4])
+    assert torch.equal(reference.fsdp_tp_shard(full, 1, 1, 1, 2, 2), full[4:, 2:])
+    assert reference.pp_group_ranks(6, 2, 2, 2) == [2, 6]
+    assert reference.pp_group_ranks(5, 4, 1, 2) == [1, 3, 5, 7]
+    # notebook 21, exercise 21-1: nested compute, overlapping comm, and the check's cases
+    assert reference.exposed_time([(0, 4), (1, 2), (6, 8)], [(3, 7), (5, 9)]) == 3
+    assert reference.exposed_time([(0, 4), (1, 3)], [(2, 6)]) == 2
+    assert reference.exposed_time([(0, 10)], [(2, 5)]) == 0
+    assert reference.exposed_time([(0, 2), (5, 6)], [(1, 8)]) == 5
+    assert reference.exposed_time([], [(1, 3), (2, 4)]) == 3
+    # notebook 20, exercise 20-2: the newest complete checkpoint (numbers, not strings)
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as folder:
+        run = Path(folder)
+        assert reference.latest_checkpoint(run / "missing") is None
+        assert reference.latest_checkpoint(run) is None
+        for n in (3, 9, 10, 12):
+            (run / f"step_{n}").mkdir()
+            if n != 12:  # step_12 is incomplete: no .metadata
+                (run / f"step_{n}" / ".metadata").touch()
+        assert reference.latest_checkpoint(run) == run / "step_10"
+
+    def ulysses_all_to_alls():  # notebook 17, exercise 17-4 and its inverse, on each rank
+        import torch
+        import torch.distributed as dist
+
+        rank = dist.get_rank()
+        x = torch.arange(2 * 4 * 8 * 3, dtype=torch.float32).reshape(2, 4, 8, 3)  # (b, a, s, d)
+        heads = reference.ulysses_seq_to_heads(x[:, :, 4 * rank : 4 * rank + 4])
+        back = reference.ulysses_heads_to_seq(heads)
+        return [torch.equal(heads, x[:, 2 * rank : 2 * rank + 2]),
+                torch.equal(back, x[:, :, 4 * rank : 4 * rank + 4])]  # fmt: skip
+
+    from nb_dist import notebook_launcher
+
+    assert list(
+        notebook_launcher(ulysses_all_to_alls, num_processes=2, init_process_group=True, timeout=60)
+    ) == [[True, True], [True, True]]
 
 
 # ------------------------------------------------------------------ Colab, Kaggle and Binder

@@ -74,11 +74,125 @@ def moe_combine(returned: Any, token: Any, gate: Any, n_tokens: int) -> Any:
     return out.index_add(0, token, gate[:, None] * returned)
 
 
+def ulysses_seq_to_heads(x: Any, group: Any = None) -> Any:
+    """Notebook 17, exercise 17-4: DeepSpeed-Ulysses' first all-to-all. ``x`` is this rank's
+    ``(b, a, s/N, d)`` shard (its chunk of the sequence, every head); the result is
+    ``(b, a/N, s, d)``: every token, in order, of this rank's ``a/N`` heads (rank ``r`` gets
+    heads ``r·a/N`` to ``(r + 1)·a/N - 1``), ``N`` the size of ``group``."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    b, a, chunk, d = x.shape
+    # chunk j of the input goes to rank j: rank j's group of heads along dimension 0
+    send = x.reshape(b, world, a // world, chunk, d).transpose(0, 1).contiguous()
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)
+    # received[j] is rank j's chunk of the sequence, for this rank's heads: in rank order
+    return received.permute(1, 2, 0, 3, 4).reshape(b, a // world, world * chunk, d)
+
+
+def ulysses_heads_to_seq(x: Any, group: Any = None) -> Any:
+    """Notebook 17, after exercise 17-4: the inverse of :func:`ulysses_seq_to_heads`, the
+    all-to-all after attention: ``(b, a/N, s, d)`` back to ``(b, a, s/N, d)``."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    b, heads, s, d = x.shape
+    # chunk j of the input goes to rank j: rank j's chunk of the sequence along dimension 0
+    send = x.reshape(b, heads, world, s // world, d).permute(2, 0, 1, 3, 4).contiguous()
+    received = torch.empty_like(send)
+    dist.all_to_all_single(received, send, group=group)
+    # received[j] is rank j's group of heads, for this rank's tokens: heads in rank order
+    return received.transpose(0, 1).reshape(b, world * heads, s // world, d)
+
+
+def exposed_time(compute: list[tuple[float, float]], comm: list[tuple[float, float]]) -> float:
+    """Notebook 21, exercise 21-1: the time covered by some ``comm`` interval and by no
+    ``compute`` interval (each a ``(start, end)``; either list may overlap or nest)."""
+
+    def union(intervals: list[tuple[float, float]]) -> list[list[float]]:
+        merged: list[list[float]] = []
+        for start, end in sorted(intervals):
+            if merged and start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([start, end])
+        return merged
+
+    busy = union(compute)
+    exposed = 0.0
+    for start, end in union(comm):
+        exposed += end - start - sum(max(0.0, min(end, e) - max(start, s)) for s, e in busy)
+    return exposed
+
+
+def fsdp_tp_shard(full: Any, tp_dim: int, i: int, j: int, dp: int, tp: int) -> Any:
+    """Notebook 18, exercise 18-4: the part of the full weight ``full`` that rank ``(dp i,
+    tp j)`` holds under tensor parallelism on ``tp_dim`` then FSDP: tp's chunk ``j`` along
+    ``tp_dim``, then FSDP's chunk ``i`` of it along dimension 0."""
+    return full.chunk(tp, dim=tp_dim)[j].chunk(dp, dim=0)[i]
+
+
+def pp_group_ranks(rank: int, pp: int, dp: int, tp: int) -> list[int]:
+    """Notebook 18, exercise 18-5: the ranks of ``rank``'s pp group in a ``(pp, dp, tp)``
+    device mesh (row-major): one per stage, at the same ``(dp, tp)`` place as ``rank``."""
+    per_stage = dp * tp
+    return [stage * per_stage + rank % per_stage for stage in range(pp)]
+
+
+def interleaved_forwards(p: int, v: int, m: int, rank: int) -> list[tuple[int, int]]:
+    """Notebook 16, exercise 16-3: the ``(stage, microbatch)`` forwards that rank ``rank`` of
+    ``p`` runs in Megatron's interleaved 1F1B with ``v`` stages per rank (stage ``s`` on rank
+    ``s % p``): groups of ``p`` microbatches, in each group the rank's chunks one after the
+    other, each for all the group's microbatches (``m`` a multiple of ``p``)."""
+    return [
+        (chunk * p + rank, j)
+        for first in range(0, m, p)
+        for chunk in range(v)
+        for j in range(first, first + p)
+    ]
+
+
+def interleaved_1f1b(p: int, v: int, m: int, rank: int) -> list[tuple[str, int, int]]:
+    """Notebook 16, after exercise 16-3: the interleaved 1F1B order of rank ``rank`` (actions
+    ``("F" | "B", stage, microbatch)``): ``(v - 1) * p + 2 * (p - 1 - rank)`` warm-up forwards
+    (as PyTorch's ``ScheduleInterleaved1F1B``), then one forward and one backward at a time,
+    then the backwards left; the backwards go in the forwards' order with the chunks
+    reversed."""
+    forwards = interleaved_forwards(p, v, m, rank)
+    backwards = [((v - 1 - s // p) * p + rank, j) for s, j in forwards]
+    warmup = min((v - 1) * p + 2 * (p - 1 - rank), v * m)
+    order = [("F", s, j) for s, j in forwards[:warmup]]
+    for k in range(v * m - warmup):
+        order += [("F", *forwards[warmup + k]), ("B", *backwards[k])]
+    return order + [("B", s, j) for s, j in backwards[v * m - warmup :]]
+
+
+def latest_checkpoint(run: Any) -> Any:
+    """Notebook 20, exercise 20-2: the ``step_<n>`` folder of ``run`` (a ``Path``) with the
+    largest ``n`` that is complete (holds DCP's ``.metadata``, written last), or ``None`` when
+    there is none or ``run`` does not exist."""
+    if not run.is_dir():
+        return None
+    complete = [p for p in run.glob("step_*") if (p / ".metadata").exists()]
+    return max(complete, key=lambda p: int(p.name.split("_")[1]), default=None)
+
+
 __all__ = [
     "average_over_dp",
     "block_activations",
+    "exposed_time",
+    "fsdp_tp_shard",
+    "interleaved_1f1b",
+    "interleaved_forwards",
+    "latest_checkpoint",
     "merge_blocks",
     "moe_combine",
     "moe_counts_per_rank",
+    "pp_group_ranks",
     "torch_1f1b",
+    "ulysses_heads_to_seq",
+    "ulysses_seq_to_heads",
 ]
