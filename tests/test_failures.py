@@ -591,7 +591,7 @@ def _marks_that_it_ran(tmp):
 def test_a_rank_that_cannot_start_stops_the_ones_started_before_it(tmp_path, monkeypatch):
     """Rank 1's start fails (as fork can, with EAGAIN): rank 0, already started and waiting at
     the start gate, is stopped there and never runs the function; nothing is left behind."""
-    from nb_dist._kernel import _processes
+    from nb_dist._starter import _processes
 
     real_start = _processes.start
 

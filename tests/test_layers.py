@@ -26,21 +26,28 @@ PACKAGE = Path(__file__).resolve().parent.parent / "nb_dist"
 ALLOWED: dict[str, tuple[str, ...]] = {
     "nb_dist._shared": (),
     "nb_dist._rank": ("nb_dist._shared",),
-    "nb_dist._kernel": (
+    "nb_dist._starter": (
         "nb_dist._shared",
         "nb_dist._rank._spec",  # what a rank is started with
         "nb_dist._rank._entry",  # the function a forked or forkserver process runs
+    ),
+    "nb_dist._kernel": (
+        "nb_dist._shared",
+        "nb_dist._starter",
+        "nb_dist._rank._spec",  # what a rank is started with
         "nb_dist._rank._as_main",  # the function run_script's ranks run (a script as __main__)
         "nb_dist.views._display",  # the launch monitor is a widget on the views' base
         "nb_dist.views.colors",
     ),
     "nb_dist._live": (
         "nb_dist._shared",
+        "nb_dist._starter",
         "nb_dist._kernel",
         "nb_dist._rank._regroup",  # the functions a session calls on its ranks to free them
     ),
     "nb_dist._cluster": (
         "nb_dist._shared",
+        "nb_dist._starter",
         "nb_dist._kernel",
         "nb_dist._rank._spec",  # what a rank is started with, sent to its node's agent
         "nb_dist._node",  # the agent class placed on each node, and what its polls return
@@ -49,8 +56,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
         "nb_dist._shared",
         "nb_dist._rank._spec",
         "nb_dist._rank._regroup",  # the node's ranks' socket addresses, to free a blocked one
-        "nb_dist._kernel._processes",  # the node's ranks start as the kernel's local ones do
-        "nb_dist._kernel._cuda_touches",  # an agent never launches: no CUDA-touch recorder
+        "nb_dist._starter",  # the node's ranks start as the kernel's local ones do
     ),
     "nb_dist.views": (),
     "nb_dist.teach": (),
@@ -200,6 +206,7 @@ def test_every_module_says_where_it_runs():
     for layer, words in {
         "_shared": "both sides",
         "_rank": "inside a rank's process",
+        "_starter": "starts ranks",
         "_kernel": "runs in the kernel",
         "_live": "kernel side",
         "_cluster": "runs in the kernel",

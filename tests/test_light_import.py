@@ -101,7 +101,7 @@ def test_cuda_touches_are_recorded_once_torch_arrives_in_either_order():
     code = """
         import json, sys
         FIRST
-        from nb_dist._kernel import _cuda_touches as touches
+        from nb_dist._shared import _cuda_touches as touches
         waiting = touches.state()
         import torch
         hooks = [type(f).__name__ for f in sys.meta_path if type(f).__name__ == "_WhenTorchArrives"]
@@ -117,6 +117,40 @@ def test_cuda_touches_are_recorded_once_torch_arrives_in_either_order():
     assert (torch_first["before"], torch_first["after"], torch_first["hooks"]) == (final, final, [])
 
 
+@pytest.mark.timeout(150)
+def test_no_rank_and_no_fork_server_records_cuda_touches():
+    """Only a process that may launch records where CUDA was first touched: a rank stops the
+    recorder it inherited (fork) or that ``import nb_dist`` started (spawn, forkserver), and
+    the fork server stops it before its preload imports torch."""
+    found = _python(
+        """
+        import json, sys
+        import nb_dist
+        from nb_dist._shared import _cuda_touches
+
+        def recorder():
+            import sys
+            from nb_dist._shared import _cuda_touches
+            hooks = [f for f in sys.meta_path if type(f).__name__ == "_WhenTorchArrives"]
+            return (_cuda_touches.state(), len(hooks),
+                    "nb_dist._rank._fork_server" in sys.modules)
+
+        if __name__ == "__main__":
+            waiting = _cuda_touches.state()
+            ranks = {m: nb_dist.notebook_launcher(recorder, num_processes=2, start_method=m)
+                     for m in ("fork", "spawn", "forkserver")}
+            print(json.dumps({"ranks": {m: list(r) for m, r in ranks.items()},
+                              "kernel": [waiting, _cuda_touches.state()]}))
+        """
+    )
+    off, from_server = ["off", 0, False], ["off", 0, True]
+    assert found["ranks"] == {"fork": [off, off], "spawn": [off, off],
+                              "forkserver": [from_server, from_server]}  # fmt: skip
+    # The launching process still records (or knows its torch is a CPU build).
+    assert found["kernel"][0] == "waiting for torch"
+    assert found["kernel"][1] in ("recording", "CPU build")
+
+
 def test_in_a_rank_import_nb_dist_does_nothing_of_the_kernels():
     found = _python(
         """
@@ -126,4 +160,4 @@ def test_in_a_rank_import_nb_dist_does_nothing_of_the_kernels():
         """,
         env={"NB_DIST_IN_RANK": "1"},
     )
-    assert "nb_dist._kernel._cuda_touches" not in found, found
+    assert "nb_dist._shared._cuda_touches" not in found, found

@@ -373,7 +373,7 @@ def test_node_agents_leave_the_kernel_side_of_nb_dist_unimported(cluster, ray_cl
         launches: it neither waits for torch nor records)."""
         modules = __import__("sys").modules
         api = "nb_dist._kernel._launcher" in modules or "nb_dist.views" in modules
-        recorder = modules["nb_dist._kernel._cuda_touches"].state()
+        recorder = modules["nb_dist._shared._cuda_touches"].state()
         return api, "matplotlib" in modules or "IPython" in modules, "torch" in modules, recorder
 
     result = nb_dist.notebook_launcher(_warm, (3,), num_processes=2, cluster=cluster)

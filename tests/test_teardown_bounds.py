@@ -1,5 +1,5 @@
 """Every wait in a teardown has a deadline: a worker that cannot be reaped is reported
-(its pid and state) and left behind, never waited for for ever (``_kernel/_processes.py``).
+(its pid and state) and left behind, never waited for for ever (``_starter/_processes.py``).
 
 A process in uninterruptible sleep (a wedged driver or file system) ignores SIGKILL until its
 kernel call returns; a test cannot make one, so the bounded wait is tested on a real child
@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from nb_dist._kernel import _processes
-from nb_dist._kernel._processes import process_state, reap_within, report_unreaped
+from nb_dist._starter import _processes
+from nb_dist._starter._processes import process_state, reap_within, report_unreaped
 
 pytestmark = [pytest.mark.fast, pytest.mark.timeout(60)]
 
@@ -53,7 +53,7 @@ def test_an_unreaped_worker_is_reported_with_its_pid_and_state(sleeper, capsys, 
     assert text in err  # in the cell (stderr), not only in a log
     assert f"rank process {sleeper.pid} did not end within 5 s" in text
     assert f"state: {process_state(sleeper.pid)}" in text and "left behind" in text
-    assert any(r.name == "nb_dist._kernel._processes" and r.levelname == "WARNING"
+    assert any(r.name == "nb_dist._starter._processes" and r.levelname == "WARNING"
                for r in caplog.records)  # fmt: skip
 
 

@@ -23,7 +23,8 @@ import nb_dist
 from nb_dist._kernel._local import LocalTransport
 from nb_dist._kernel._options import LaunchOptions
 from nb_dist._kernel._plan import LaunchPlan
-from nb_dist._kernel._supervisor import RankHost, Supervisor
+from nb_dist._kernel._rank_handle import Rank
+from nb_dist._kernel._supervisor import RankHost
 from nb_dist._kernel._transport import Transport, transport_for
 
 pytestmark = pytest.mark.timeout(120)
@@ -37,11 +38,13 @@ class _JournalledHost:
     def __init__(self, inner: RankHost, journal: list[tuple], number: int, fail: bool) -> None:
         self._inner, self._journal, self._number, self._fail = inner, journal, number, fail
 
-    def start(self, supervisor: Supervisor) -> Connection | None:
-        self._journal.append(("start", self._number, len(supervisor.ranks)))
+    def start(
+        self, plan: LaunchPlan, envs: list[dict[str, str]], ranks: list[Rank]
+    ) -> Connection | None:
+        self._journal.append(("start", self._number, len(ranks)))
         if self._fail:
             raise RuntimeError("this transport has no room for the ranks")
-        return self._inner.start(supervisor)
+        return self._inner.start(plan, envs, ranks)
 
     def close(self) -> None:
         self._journal.append(("close", self._number))

@@ -175,7 +175,7 @@ class Gang:
 
     def open_store(self, run: int, world_size: int) -> tuple[str, int]:
         """Run ``run``'s rendezvous store on rank 0's node: (its address, its port). It is
-        closed with the run (:meth:`end_run`, or :meth:`end_unstarted` if none started)."""
+        closed with the run (:meth:`end_run`, whether or not its ranks started)."""
         node = self.nodes[self.layout.agent[0]]
         # The first call imports torch in that agent (agents start without it), which takes
         # as long as a first start does: 1.5 s on an idle 2-core box, over 30 s under load.
@@ -215,7 +215,7 @@ class Gang:
             ]
             pids = self.ray.get(refs, timeout=START_LIMIT)
         except BaseException:  # the agents' own error (or ■) is what the cell shows
-            self.end_run(links)
+            self.end_run(run, links)
             for link in links:
                 link.close()
             raise
@@ -230,21 +230,18 @@ class Gang:
         ]  # fmt: skip
         return forwarder, processes
 
-    def end_run(self, links: Sequence[AgentLink]) -> None:
-        """Tell every live agent the run is over (what is left of it is killed there)."""
-        refs = [link.actor.end_run.remote(link.run) for link in links if link.lost is None]
+    def end_run(self, run: int, links: Sequence[AgentLink] | None = None) -> None:
+        """Tell the agents run ``run`` is over (what is left of it is killed there, and its
+        store closed): every live agent of ``links``, or, for a run whose ranks were never
+        started (``None``), the agent that may host its store."""
+        if links is None:
+            agents = [self.agents[self.layout.agent[0]]]
+        else:
+            agents = [link.actor for link in links if link.lost is None]
         try:
-            self.ray.get(refs, timeout=CALL_LIMIT)
+            self.ray.get([agent.end_run.remote(run) for agent in agents], timeout=CALL_LIMIT)
         except Exception:  # an agent lost now is found (and replaced) by the next launch
-            _log.info("ending the run on the agents failed", exc_info=True)
-
-    def end_unstarted(self, run: int) -> None:
-        """End run ``run`` whose ranks never started (its store is closed)."""
-        agent = self.agents[self.layout.agent[0]]
-        try:
-            self.ray.get(agent.end_run.remote(run), timeout=CALL_LIMIT)
-        except Exception:  # an agent lost now is found (and replaced) by the next launch
-            _log.info("ending an unstarted run on its agent failed", exc_info=True)
+            _log.info("ending run %d on the agents failed", run, exc_info=True)
 
     def hold(self, session: object) -> None:
         """A live session runs on these agents: no launch until it lets them go."""

@@ -103,6 +103,7 @@ class RayCluster:
         self._ray: Any = _connect.ray_module()
         _connect.connect(self._ray, address)
         self._gang: Gang | None = None
+        self._reserved: Gang | None = None  # by decide, for the next open
         #: One gang at a time: a launch and the background warm-up take turns here.
         self._lock = threading.Lock()
         self._warming: threading.Thread | None = None
@@ -130,13 +131,15 @@ class RayCluster:
                 "RayCluster(resources_per_rank={'GPU': 1, ...})."
             )
         use_gpu = gpus and plan.device != "cpu"
-        return _remote_run.decide(self._gang_for, plan, options, use_gpu)
+        return _remote_run.decide(self._reserve, plan, options, use_gpu)
 
     def open(self, plan: LaunchPlan, number: int) -> tuple[list[dict[str, str]], ClusterHost]:
         """One attempt's ranks (or a live session's, ``nb_dist.Ranks(cluster=...)``) on the
         agents: their environments and their host; a gang that lost a node is given back
         when the host closes."""
-        gang = self._gang_for(plan.nprocs, plan.start_method)
+        gang, self._reserved = self._reserved, None
+        if gang is None or gang is not self._gang:  # a restart, or given back since decide
+            gang = self._gang_for(plan.nprocs, plan.start_method)
         return _remote_run.open_ranks(gang, plan, number, self._release)
 
     def interrupted(self) -> None:
@@ -163,6 +166,12 @@ class RayCluster:
         if warming is not None and warming is not threading.current_thread():
             warming.join()  # an interrupt lands here; the warm-up goes on, holding the lock
             self._warming = None
+
+    def _reserve(self, nprocs: int, method: str) -> Gang:
+        """The gang ``decide`` reserves, which the launch's first ``open`` then takes as it
+        is (no second health check a moment after the first)."""
+        self._reserved = self._gang_for(nprocs, method)
+        return self._reserved
 
     def _gang_for(self, nprocs: int, method: str) -> Gang:
         self._wait_for_warming()

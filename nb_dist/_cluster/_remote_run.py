@@ -13,7 +13,6 @@ for a launch's attempt and for live ranks alike.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import shutil
 import types
@@ -27,16 +26,18 @@ from .._kernel._options import LaunchOptions
 from .._kernel._plan import LaunchPlan
 from .._kernel._rank_handle import Rank
 from .._kernel._run_setup import rank_env
-from .._kernel._supervisor import Supervisor
 from .._shared import _protocol, _shipping
 from .._shared._protocol import COLLECTIVES_ENV
-from .._shared._starting import scratch_folder, widen
+from .._starter._run_parts import scratch_folder, widen
 from ._forward import Forwarder, OnLost
 from ._gang import Gang
 
 #: ``rendezvous_timeout="auto"`` on a cluster: nodes start their first fork server (and
 #: import torch) at different speeds.
 CLUSTER_RENDEZVOUS = 120.0
+#: What ``start_method="fork"`` becomes on a cluster: a node's agent is a Ray worker, whose
+#: threads a fork would copy mid-flight; its fork server forks clean ranks.
+FORK_INSTEAD = "forkserver"
 
 
 def decide(
@@ -46,7 +47,8 @@ def decide(
     use_gpu: bool,
 ) -> LaunchPlan:
     """The plan of a launch on the cluster; ``gang_for(nprocs, start_method)`` reserves its
-    nodes."""
+    nodes. Where the ranks go is the cluster's; the rules every transport shares (start
+    method, threads, the ``"auto"`` rendezvous timeout) are ``_plan.place``'s."""
     _refuse_local_only(options)
     if plan.asked_processes is None:
         raise ValueError(
@@ -54,26 +56,21 @@ def decide(
             "ranks to start in all, e.g. num_processes=8 (processes_per_node of them per node)."
         )
     nprocs = plan.asked_processes
-    method = "forkserver" if plan.start_method == "fork" else plan.start_method
-    payload, shipped = ship(plan.function, plan.args)
+    method = FORK_INSTEAD if plan.start_method == "fork" else plan.start_method
+    payload, shipped = ship(plan.function, plan.args)  # before nodes are reserved for it
     gang = gang_for(nprocs, method)
-    notice = f"shipped {shipped} to {nprocs} ranks on {gang.describe()}."
-    return dataclasses.replace(
-        plan,
+    there = _plan.Placement(
         ranks=tuple(range(nprocs)),
         world_size=nprocs,
         num_nodes=gang.layout.num_nodes,
-        start_method=method,
         use_gpu=use_gpu,
-        threads=_plan.threads_for(plan.asked_threads, gang.threads_per_rank),
-        warm_imports=False,
+        cores_per_rank=gang.threads_per_rank,
+        instead_of_fork=FORK_INSTEAD,
+        auto_rendezvous=CLUSTER_RENDEZVOUS,
         payload=payload,
-        linecache_entries=_plan.cell_sources(),
-        rendezvous_timeout=(
-            CLUSTER_RENDEZVOUS if plan.rendezvous_auto else plan.rendezvous_timeout
-        ),
-        notices=(*plan.notices, notice),
+        notices=(f"shipped {shipped} to {nprocs} ranks on {gang.describe()}.",),
     )
+    return _plan.place(plan, there)
 
 
 def _refuse_local_only(options: LaunchOptions) -> None:
@@ -162,7 +159,7 @@ def open_ranks(
         address, port = gang.open_store(run, plan.world_size)
         envs = [cluster_env(plan, gang, r, address, port, number, folder) for r in plan.ranks]
     except BaseException:
-        gang.end_unstarted(run)  # the store, if it was opened
+        gang.end_run(run)  # the store, if it was opened
         shutil.rmtree(folder, ignore_errors=True)
         raise
     return envs, ClusterHost(gang, run, folder, on_lost, session=plan.session)
@@ -220,16 +217,18 @@ class ClusterHost:
         links = self._forwarder.links if self._forwarder is not None else []
         return any(link.lost is not None for link in links)
 
-    def start(self, supervisor: Supervisor) -> Connection | None:
-        plan, lay, ranks = supervisor.config, self._gang.layout, supervisor.ranks
+    def start(
+        self, plan: LaunchPlan, envs: list[dict[str, str]], ranks: list[Rank]
+    ) -> Connection | None:
+        lay = self._gang.layout
         specs = [
-            plan.rank_spec(r, supervisor.rank_envs[r], [], local_rank=lay.local_rank[r])
-            for r in range(plan.nprocs)
+            plan.rank_spec(index, envs[index], [], local_rank=lay.local_rank[index])
+            for index in range(plan.nprocs)
         ]
         theirs = [rank.open_pipes() for rank in ranks]
         for ends in theirs:
             widen(ends["control"])  # a large value crosses the kernel's pipe in 1 MB writes
-        mirrors = [env.get(COLLECTIVES_ENV) for env in supervisor.rank_envs]
+        mirrors = [env.get(COLLECTIVES_ENV) for env in envs]
         try:
             self._forwarder, processes = self._gang.start(
                 self._run, plan.start_method, specs, theirs, mirrors,
@@ -280,9 +279,9 @@ class ClusterHost:
                 self._run_ended = True
                 if self._forwarder is not None:
                     self._forwarder.stop()
-                    self._gang.end_run(self._forwarder.links)
+                    self._gang.end_run(self._run, self._forwarder.links)
                 else:  # no rank started (the start failed): the run's store still goes
-                    self._gang.end_unstarted(self._run)
+                    self._gang.end_run(self._run)
         finally:
             if self._folder is not None:
                 shutil.rmtree(self._folder, ignore_errors=True)

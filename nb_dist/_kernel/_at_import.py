@@ -28,7 +28,7 @@ def prepare() -> None:
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     if RANK_ENV_FLAG in os.environ:
         return  # a rank: nothing of the kernel's
-    from . import _cuda_touches
+    from .._shared import _cuda_touches
 
     _cuda_touches.record()
     if sys.modules.get("IPython") is None:

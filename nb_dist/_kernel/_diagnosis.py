@@ -230,7 +230,7 @@ def _causes(world_size: int, ranks: Sequence[RendezvousView]) -> list[str]:
         {r.asked_world_size for r in ranks if r.asked_world_size not in (None, world_size)}
     )
     if wrong:
-        asked = " and ".join(str(w) for w in wrong)
+        asked = " and ".join(str(value) for value in wrong)
         causes.append(
             f"Likely cause: the rendezvous asked for world_size {asked}, but this launch started "
             f"{world_size} rank(s). Call init_process_group() without world_size (it reads "

@@ -238,6 +238,8 @@ def _run_attempt(
         return supervisor.run(), int(envs[0]["MASTER_PORT"])  # run() closes the host
     finally:
         router.finish()
+        if plan.warm_imports:  # what the ranks imported, for the next launch (fork only)
+            _warm.schedule(supervisor.imports)
 
 
 def _interrupted(nprocs: int) -> KeyboardInterrupt:

@@ -11,7 +11,7 @@ Starting: each rank gets five pipes (four to the kernel, ``commands`` from it; s
 ``_protocol.py``) and two shared ones, the **lifeline** (the kernel keeps its only write end;
 when the kernel dies, every rank reads EOF and kills itself, besides the parent-death signal)
 and the **start gate** (no rank runs user code before all are started;
-``_rank/_entry._wait_for_gate``), both from ``_shared/_starting.py``, which a cluster node's
+``_rank/_entry._wait_for_gate``), both from ``_starter/_run_parts.py``, which a cluster node's
 agent uses too. A forked rank closes every kernel-side end it inherited (other ranks' read
 ends, the lifeline's and the gate's write ends), or EOF would never come.
 """
@@ -23,13 +23,13 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 from .._rank._spec import RankSpec
-from .._shared._starting import gated_start
-from . import _openmp, _plan, _ports, _processes, _warm
+from .._starter import _processes
+from .._starter._run_parts import gated_start
+from . import _openmp, _plan, _ports
 from ._options import LaunchOptions
 from ._plan import LaunchPlan
 from ._rank_handle import Rank
 from ._run_setup import RunSetup
-from ._supervisor import Supervisor
 
 #: Builds one rank's spec from its local rank and the kernel-side fds it must close.
 SpecFor = Callable[[int, list[int]], RankSpec]
@@ -48,7 +48,7 @@ def start_all(method: str, ranks: list[Rank], spec_for: SpecFor) -> Connection:
     """Start every rank, then open the gate; the lifeline's write end, for the kernel to keep.
 
     If a rank cannot start (or an interrupt arrives), the ranks already started are killed
-    while they still wait at the gate, so none runs the function (``_starting.gated_start``).
+    while they still wait at the gate, so none runs the function (``_run_parts.gated_start``).
     """
     context = _processes.forkserver_context() if method == "forkserver" else None
 
@@ -74,21 +74,19 @@ class LocalHost:
     def __init__(self, setup: RunSetup, restart: bool) -> None:
         self._setup: RunSetup | None = setup
         self._restart = restart
-        self._supervisor: Supervisor | None = None
 
-    def start(self, supervisor: Supervisor) -> Connection | None:
-        plan = supervisor.config
-        self._supervisor = supervisor
+    def start(
+        self, plan: LaunchPlan, envs: list[dict[str, str]], ranks: list[Rank]
+    ) -> Connection | None:
         if plan.start_method == "fork" and self._restart:
             _openmp.release_pool()  # a restart forks again, and the kernel may have a pool again
 
         def spec_for(index: int, kernel_fds: list[int]) -> RankSpec:
-            return plan.rank_spec(index, supervisor.rank_envs[index], kernel_fds)
+            return plan.rank_spec(index, envs[index], kernel_fds)
 
-        lifeline = start_all(plan.start_method, supervisor.ranks, spec_for)
+        lifeline = start_all(plan.start_method, ranks, spec_for)
         # Who may hold a port later: a busy port held by one of these is named as ours.
-        pids = (rank.outcome.pid for rank in supervisor.ranks if rank.outcome.pid)
-        _ports.started_rank_pids.update(pids)
+        _ports.started_rank_pids.update(rank.outcome.pid for rank in ranks if rank.outcome.pid)
         return lifeline
 
     def close(self) -> None:
@@ -96,9 +94,6 @@ class LocalHost:
         if self._setup is not None:
             self._setup.close()
             self._setup = None
-        supervisor, self._supervisor = self._supervisor, None
-        if supervisor is not None and supervisor.config.warm_imports:
-            _warm.schedule(supervisor.imports)  # what the ranks imported, for the next launch
 
     def endpoints(self) -> list[tuple[str, int]] | None:
         return None  # read on this machine by the kernel itself

@@ -1,8 +1,9 @@
 """The launch plan: every argument checked in one documented order, then one frozen plan.
 
-:func:`check_arguments` and :func:`decide` turn ``notebook_launcher``'s arguments into a
-:class:`LaunchPlan` before anything starts, checking in this order (the first problem found
-is the one reported):
+:func:`check_arguments` and the transport's decision (this machine's: :func:`decide`) turn
+``notebook_launcher``'s arguments into a :class:`LaunchPlan` before anything starts, checking
+in this order (the first problem found is the one reported); steps 6 and 7, and the start
+method, threads and ``"auto"`` rendezvous timeout, are :func:`place`'s, for every transport:
 
 1. a launch from inside a rank of a launch;
 2. each argument on its own, in the order of the signature (types, ranges, choices);
@@ -39,8 +40,9 @@ from ._options import LaunchOptions
 from ._output import DEFAULT_PREFIX, OUTPUT_MODES, RICH_OUTPUT_MODES
 from ._tracebacks import cell_label
 
-# How long the first rank to reach init_process_group waits for the others before the launch
-# is stopped with a report (torch itself would wait for minutes).
+# This machine's ``rendezvous_timeout="auto"``: how long the first rank to reach
+# init_process_group waits for the others before the launch is stopped with a report (torch
+# itself would wait for minutes); by hand on several machines, the others start later.
 RENDEZVOUS_TIMEOUT = 20.0
 _MULTI_NODE_RENDEZVOUS = 300.0
 
@@ -81,7 +83,8 @@ class LaunchPlan:
     notices: tuple[str, ...] = ()
     #: What the caller asked that the transport decides (``Transport.decide``), checked:
     #: how many ranks (``None``: one per GPU here), the threads per rank, and whether the
-    #: rendezvous timeout is the transport's own (``"auto"`` and no ``rdzv_conf`` timeout).
+    #: rendezvous timeout is the transport's own (``"auto"`` and no ``rdzv_conf`` timeout;
+    #: ``rendezvous_timeout`` is then ``None`` until :func:`place` sets the transport's).
     asked_processes: int | None = None
     asked_threads: int | None = None
     rendezvous_auto: bool = False
@@ -123,39 +126,84 @@ class LaunchPlan:
         )
 
 
-def decide(plan: LaunchPlan) -> LaunchPlan:
-    """Steps 3 to 7 on the checked plan (:func:`check_arguments`, which keeps what the
-    caller asked in ``asked_processes``, ``asked_threads`` and ``rendezvous_auto``): the
-    final plan of ranks on this machine (``_local.LocalTransport.decide``; a cluster decides
-    its own from the same fields, with the same rule for threads, :func:`threads_for`)."""
-    num_processes, threads_per_process = plan.asked_processes, plan.asked_threads
-    _check_multi_node(plan.num_nodes, plan.port, plan.max_restarts)  # 3. Combinations.
-    _preflight.check_process_group()  # 4. The kernel's state.
-    _preflight.check_accelerate_state()
-    use_gpu, nprocs, device_notice = _devices(plan.device, num_processes, plan.start_method)
-    method = plan.start_method  # 5. Devices, above.
-    if method == "fork" and "fork" not in multiprocessing.get_all_start_methods():
-        method = "spawn"  # e.g. Windows: no fork; spawn ships the function with cloudpickle
-    threads, notices = threads_for(threads_per_process, _cores() // nprocs), list(plan.notices)
-    notices += [device_notice] if device_notice else []
+@dataclass(frozen=True)
+class Placement:
+    """What a transport decided about where a launch's ranks go (``Transport.decide``), for
+    :func:`place`, which applies the rules every transport shares."""
+
+    ranks: tuple[int, ...]  # the global rank of each rank started through this transport
+    world_size: int
+    num_nodes: int
+    use_gpu: bool
+    cores_per_rank: int
+    #: The start method a ``"fork"`` request becomes where the starter cannot fork (a cluster
+    #: node's agent: ``"forkserver"``; a system without fork: ``"spawn"``), else ``None``.
+    instead_of_fork: str | None
+    #: ``rendezvous_timeout="auto"`` for this transport.
+    auto_rendezvous: float
+    #: The function and args by value where the transport shipped them itself (with its own
+    #: report of what did not pickle); else :func:`place` ships them for spawn/forkserver.
+    payload: bytes | None = None
+    notices: tuple[str, ...] = ()
+
+
+def place(plan: LaunchPlan, where: Placement) -> LaunchPlan:
+    """The final plan: the checked ``plan`` (what the caller asked) on ``where``, by the
+    rules every transport shares, in one place: the start method, the threads per rank
+    (:func:`threads_for`; fewer where a fork would hang, step 6), the ``"auto"`` rendezvous
+    timeout, and the function shipped by value for spawn and forkserver (step 7)."""
+    method = plan.start_method
+    if method == "fork" and where.instead_of_fork is not None:
+        method = where.instead_of_fork
+    threads = threads_for(plan.asked_threads, where.cores_per_rank)
+    notices = [*plan.notices, *where.notices]
     if method == "fork":  # 6. Threads fork can give.
-        threads, notice = _fork_safe_threads(threads, explicit=threads_per_process is not None)
+        threads, notice = _fork_safe_threads(threads, explicit=plan.asked_threads is not None)
         notices += [notice] if notice else []
     warm_notice = _warm.take_notice()
-    # 7. Shipping the function to fresh processes.
-    payload = _pickle_for_spawn(plan.function, plan.args) if method != "fork" else None
+    notices += [warm_notice] if warm_notice else []
+    payload = where.payload  # 7. Shipping the function to fresh processes.
+    if payload is None and method != "fork":
+        payload = _pickle_for_spawn(plan.function, plan.args)
     return dataclasses.replace(
         plan,
-        ranks=tuple(plan.node_rank * nprocs + local for local in range(nprocs)),
-        world_size=nprocs * plan.num_nodes,
+        ranks=where.ranks,
+        world_size=where.world_size,
+        num_nodes=where.num_nodes,
         start_method=method,
-        use_gpu=use_gpu,
+        use_gpu=where.use_gpu,
         threads=threads,
+        rendezvous_timeout=where.auto_rendezvous
+        if plan.rendezvous_auto
+        else plan.rendezvous_timeout,
         warm_imports=method == "fork" and plan.warm_imports and _warm.enabled(True),
         payload=payload,
         linecache_entries=cell_sources() if payload is not None else {},
-        notices=tuple(notices + ([warm_notice] if warm_notice else [])),
+        notices=tuple(notices),
     )
+
+
+def decide(plan: LaunchPlan) -> LaunchPlan:
+    """Steps 3 to 5 on the checked plan (:func:`check_arguments`, which keeps what the
+    caller asked in ``asked_processes``, ``asked_threads`` and ``rendezvous_auto``): where
+    ranks on this machine go (``_local.LocalTransport.decide``), then :func:`place`."""
+    _check_multi_node(plan.num_nodes, plan.port, plan.max_restarts)  # 3. Combinations.
+    _preflight.check_process_group()  # 4. The kernel's state.
+    _preflight.check_accelerate_state()
+    # 5. Devices.
+    use_gpu, nprocs, device_notice = _devices(plan.device, plan.asked_processes, plan.start_method)
+    here = Placement(
+        ranks=tuple(plan.node_rank * nprocs + local for local in range(nprocs)),
+        world_size=nprocs * plan.num_nodes,
+        num_nodes=plan.num_nodes,
+        use_gpu=use_gpu,
+        cores_per_rank=_cores() // nprocs,
+        # e.g. Windows: no fork; spawn ships the function with cloudpickle
+        instead_of_fork=None if "fork" in multiprocessing.get_all_start_methods() else "spawn",
+        auto_rendezvous=RENDEZVOUS_TIMEOUT if plan.num_nodes == 1 else _MULTI_NODE_RENDEZVOUS,
+        notices=(device_notice,) if device_notice else (),
+    )
+    return place(plan, here)
 
 
 def check_arguments(
@@ -186,9 +234,8 @@ def check_arguments(
         _preflight.check_positive_int("threads_per_process", o.threads_per_process, _THREADS_HINT)
     hang_after = _preflight.check_seconds("hang_notice_after", o.hang_notice_after)
     _check_bool("monitor", o.monitor)
-    auto = RENDEZVOUS_TIMEOUT if nodes == 1 else _MULTI_NODE_RENDEZVOUS  # this machine's
-    rdzv_limit = rendezvous_limit(o.rendezvous_timeout, conf_timeout, auto)
-    rdzv_auto = o.rendezvous_timeout == "auto" and conf_timeout is None
+    rdzv_auto = o.rendezvous_timeout == "auto" and conf_timeout is None  # the transport's
+    rdzv_limit = None if rdzv_auto else rendezvous_limit(o.rendezvous_timeout, conf_timeout)
     _check_bool("warm_imports", o.warm_imports)
     rich = _rich_output(o.rich_output)
     debug = o.debug
@@ -315,13 +362,12 @@ _RDZV_TIMEOUT_KEYS = ("join_timeout", "timeout")
 
 
 def rendezvous_limit(
-    rendezvous_timeout: float | str | None, conf_timeout: float | None, auto: float
+    rendezvous_timeout: float | str | None, conf_timeout: float | None
 ) -> float | None:
-    """``rendezvous_timeout`` checked, for every transport: ``"auto"`` is ``rdzv_conf``'s
-    timeout where it gives one, else the transport's ``auto`` (a cluster's nodes start their
-    first fork server at different speeds)."""
+    """``rendezvous_timeout`` checked: ``"auto"`` is ``rdzv_conf``'s timeout here (without
+    one, the transport's own, :attr:`Placement.auto_rendezvous`)."""
     if rendezvous_timeout == "auto":
-        rendezvous_timeout = conf_timeout if conf_timeout is not None else auto
+        rendezvous_timeout = conf_timeout
     return _preflight.check_seconds("rendezvous_timeout", rendezvous_timeout)
 
 

@@ -19,11 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .._shared import _torch_compat
+from .._shared import _cuda_touches, _torch_compat
 from .._shared._env import RANK_ENV_FLAG
-from . import _cuda_touches
+from .._starter._processes import REAP_WITHIN, process_state, reap_within
 from ._errors import UnsafeLaunchError
-from ._processes import REAP_WITHIN, process_state, reap_within
 from ._tracebacks import innermost_user_frame
 
 START_METHODS = ("fork", "spawn", "forkserver")

@@ -16,11 +16,11 @@ from typing import Any
 
 from .._shared import _collectives, _protocol, _values
 from .._shared._reporting import ReportEntry, Reports
-from .._shared._starting import open_rank_pipes
+from .._starter._processes import RankProcess, signal_name
+from .._starter._run_parts import open_rank_pipes
 from ._diagnosis import Frame, RendezvousView, StuckRank, ended_without_value
 from ._errors import RankOutcome, RankStatus
 from ._output import LineSplitter, OutputRouter
-from ._processes import RankProcess, signal_name
 from ._tracebacks import format_frames, parse_fault_dump, relabel_cells
 
 FINAL: tuple[RankStatus, ...] = ("ok", "failed", "collateral", "stopped")

@@ -18,7 +18,7 @@ import socket
 from typing import Any
 
 from .._shared._net import is_loopback
-from .._shared._starting import rank_files, scratch_folder
+from .._starter._run_parts import rank_files, scratch_folder
 from . import _ports
 from ._plan import LaunchPlan
 

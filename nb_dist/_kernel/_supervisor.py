@@ -29,7 +29,7 @@ from typing import Any, Protocol, TypeVar
 from .._shared import _protocol
 from .._shared._protocol import COLLECTIVES_ENV
 from .._shared._reporting import Reports
-from .._shared._starting import DRAIN_AFTER_EXIT
+from .._starter._run_parts import DRAIN_AFTER_EXIT
 from . import _diagnosis, _prompts, _watchdogs
 from ._errors import LaunchError as _LaunchError
 from ._errors import (
@@ -64,9 +64,12 @@ class RankHost(Protocol):
     """Where a supervisor's ranks run: what starting them takes, and ending what was started
     for them (their processes and pipes are the supervisor's ``Rank`` handles either way)."""
 
-    def start(self, supervisor: Supervisor) -> Connection | None:
-        """Start every rank of ``supervisor`` (each ``Rank`` gets its process and pipes), or
-        raise with none left running; the lifeline whose closing ends them, if held here."""
+    def start(
+        self, plan: LaunchPlan, envs: list[dict[str, str]], ranks: list[Rank]
+    ) -> Connection | None:
+        """Start ``ranks`` (each ``Rank`` gets its process and pipes; the rank at index ``i``
+        with ``envs[i]``), or raise with none left running; the lifeline whose closing ends
+        them, if held here."""
         ...
 
     def close(self) -> None:
@@ -188,7 +191,7 @@ class Supervisor:
     def _start_all(self) -> None:
         """Start every rank (where the host runs them), then watch its pipes."""
         try:
-            self._lifeline = self.host.start(self)
+            self._lifeline = self.host.start(self.config, self.rank_envs, self.ranks)
         finally:
             for rank in self.ranks:
                 self._pump.add(rank)
@@ -253,7 +256,7 @@ class Supervisor:
         if status is not None:
             self.set_status(rank, status)
         if isinstance(message, _protocol.Rendezvous) and all(
-            w.rendezvous.done for w in self.current.ranks
+            rank.rendezvous.done for rank in self.current.ranks
         ):
             # Decided as the last "done" arrives: a later init_process_group in the function
             # (after destroy_process_group) is not timed from this one's start.
@@ -346,7 +349,7 @@ class Supervisor:
         waited = _watchdogs.straggler_wait(self.current.first_finish, limit, time.monotonic())
         if waited is None:
             return
-        finished = [w.outcome.rank for w in self.current.ranks if w.outcome.status == "ok"]
+        finished = [rank.outcome.rank for rank in self.current.ranks if rank.outcome.status == "ok"]
         for rank in self.current.ranks:
             noticed = rank.index in self.current.hang_noticed
             if rank.finished or not rank.alive or noticed:
@@ -386,9 +389,12 @@ class Supervisor:
         deadline = time.monotonic() + 0.5
         quiet_since: float | None = None
         while asked and time.monotonic() < deadline:
-            before = sum(len(w.stack) for w in asked)
+            before = sum(len(rank.stack) for rank in asked)
             self.read(0.02)
-            if all(w.stack for w in asked) and sum(len(w.stack) for w in asked) == before:
+            if (
+                all(rank.stack for rank in asked)
+                and sum(len(rank.stack) for rank in asked) == before
+            ):
                 quiet_since = quiet_since or time.monotonic()
                 if time.monotonic() - quiet_since > 0.05:
                     break
@@ -399,12 +405,12 @@ class Supervisor:
     # ----------------------------------------------------------------- stop
     def stop_all(self) -> None:
         """SIGTERM every live rank's process group, then SIGKILL what is left after a grace."""
-        live = [w for w in self.current.ranks if w.alive and w is not self.held]
+        live = [rank for rank in self.current.ranks if rank.alive and rank is not self.held]
         for rank in live:
             rank.request_stop()
             assert rank.process is not None
             rank.process.send_signal(signal.SIGTERM)
-        self.read_until(lambda: not any(w.alive for w in live), STOP_GRACE)
+        self.read_until(lambda: not any(rank.alive for rank in live), STOP_GRACE)
         for rank in live:
             if rank.alive and rank.process is not None:
                 rank.process.send_signal(signal.SIGKILL)
@@ -412,7 +418,7 @@ class Supervisor:
     def _drain_and_reap(self) -> None:
         ranks = self.current.ranks
         if not self.read_until(
-            lambda: all(w.finished for w in ranks), DRAIN_AFTER_EXIT + STOP_GRACE
+            lambda: all(rank.finished for rank in ranks), DRAIN_AFTER_EXIT + STOP_GRACE
         ):
             for rank in ranks:
                 rank.kill()
@@ -444,10 +450,10 @@ class Supervisor:
     def result(self) -> RunResult:
         """The current run's values, or raise its root cause (a post-mortem attached if a
         failed rank is held at its prompt)."""
-        outcomes = [w.outcome for w in self.current.ranks]
+        outcomes = [rank.outcome for rank in self.current.ranks]
         if all(o.status == "ok" for o in outcomes):
             return RunResult(
-                values=[w.value for w in self.current.ranks],
+                values=[rank.value for rank in self.current.ranks],
                 reports=self.current.reports,
                 outcomes=outcomes,
                 durations=[o.duration for o in outcomes],

@@ -258,11 +258,11 @@ class Ranks:
             compile(source, name, "exec")
         except SyntaxError as exc:
             raise exc.with_traceback(None) from None  # shown once, not once per rank
-        local = self._local_ranks(rank)
+        chosen = self._indexes(rank)
         if filename is None:  # the kernel shows this code in stacks and tracebacks too
             linecache.cache[name] = (len(source), None, source.splitlines(True), name)
-        result = self._task(lambda r: _protocol.Execute(0, source, name), local, timeout)
-        self._history.executed(source, [self.plan.ranks[i] for i in local], self.num_processes)
+        result = self._task(lambda r: _protocol.Execute(0, source, name), chosen, timeout)
+        self._history.executed(source, [self.plan.ranks[i] for i in chosen], self.num_processes)
         return result
 
     def pull(self, *names: str, rank: int | Sequence[int] | None = None) -> LaunchResult:
@@ -272,8 +272,8 @@ class Ranks:
             raise TypeError(
                 f"pull{names!r}: pass one or more variable names as strings, e.g. pull('loss')."
             )
-        local = self._local_ranks(rank)
-        return self._task(lambda r: _protocol.Pull(0, names), local, UNSET)
+        chosen = self._indexes(rank)
+        return self._task(lambda r: _protocol.Pull(0, names), chosen, UNSET)
 
     def push(self, **values: Any) -> None:
         """Set names in every rank's namespace; ``per_rank(v0, v1, ...)`` for values that
@@ -295,8 +295,8 @@ class Ranks:
                     f"Give exactly one value per rank."
                 )
         payloads = []
-        for local in range(n):
-            mine = {k: v.values[local] if isinstance(v, PerRank) else v for k, v in values.items()}
+        for index in range(n):
+            mine = {k: v.values[index] if isinstance(v, PerRank) else v for k, v in values.items()}
             try:
                 payloads.append(_shipping.dumps(mine))
             except Exception as exc:
@@ -326,7 +326,8 @@ class Ranks:
                 "This Ranks session is closed. Start a new one: ranks = nb_dist.Ranks(2)."
             )
 
-    def _local_ranks(self, rank: int | Sequence[int] | None) -> list[int]:
+    def _indexes(self, rank: int | Sequence[int] | None) -> list[int]:
+        """The indexes of the ranks ``rank=`` names (all of them for ``None``), checked."""
         n = self.num_processes
         if rank is None:
             return list(range(n))
@@ -366,20 +367,22 @@ class Ranks:
     def _task(
         self,
         command_for: Callable[[Any], _protocol.Command],
-        local_ranks: list[int] | None,
+        indexes: list[int] | None,
         timeout: float | None,
     ) -> LaunchResult:
         __tracebackhide__ = True
         supervisor = self._live()
         began = time.monotonic()
         limit = self.plan.timeout if timeout is UNSET else timeout
-        local = list(range(self.num_processes)) if local_ranks is None else local_ranks
+        chosen = list(range(self.num_processes)) if indexes is None else indexes
         router = self._router()
-        monitor = open_live_view([self.plan.ranks[i] for i in local]) if self.plan.monitor else None
+        monitor = (
+            open_live_view([self.plan.ranks[i] for i in chosen]) if self.plan.monitor else None
+        )
         router.observer = monitor
         failure: BaseException | None = None
         try:
-            outcome = supervisor.task(command_for, local, router, monitor, limit)
+            outcome = supervisor.task(command_for, chosen, router, monitor, limit)
         except BaseException as error:
             failure = error
             if monitor is not None:
@@ -397,9 +400,9 @@ class Ranks:
         return LaunchResult(
             values=outcome.values,
             reports=outcome.reports,
-            ranks=[self.plan.ranks[i] for i in local],
+            ranks=[self.plan.ranks[i] for i in chosen],
             outcomes=outcome.outcomes,
-            logs=[router.log_text(i) for i in local],
+            logs=[router.log_text(i) for i in chosen],
             durations=outcome.durations,
             wall_time=time.monotonic() - began,
             port=self._port,

@@ -37,12 +37,12 @@ from .._kernel._errors import LaunchInterrupted, LaunchTimeoutError, WorkerFaile
 from .._kernel._observer import Observer
 from .._kernel._output import OutputRouter
 from .._kernel._plan import LaunchPlan
-from .._kernel._processes import signal_name
 from .._kernel._pump import Policy
 from .._kernel._rank_handle import Rank
 from .._kernel._supervisor import RankHost, RunResult, Supervisor
 from .._rank import _regroup
 from .._shared import _collectives, _protocol, _shipping
+from .._starter._processes import signal_name
 
 _log = logging.getLogger(__name__)
 #: How long closed ranks get to destroy their process group and exit.
@@ -152,14 +152,14 @@ class SessionSupervisor:
             if rank.commands is not None and not rank.commands.closed:
                 rank.commands.close()  # EOF: the rank's loop ends
         self._begin(self.ranks, self.loop.current.router, _BETWEEN)
-        self.loop.read_until(lambda: not any(w.alive for w in self.ranks), CLOSE_GRACE)
+        self.loop.read_until(lambda: not any(rank.alive for rank in self.ranks), CLOSE_GRACE)
         for rank in self.ranks:
             rank.kill()
         self.loop.close()
 
     @property
     def ranks(self) -> list[Rank]:
-        """Every rank of the session (its loop's), in local order."""
+        """Every rank of the session (its loop's), in index order."""
         return self.loop.ranks
 
     @property
@@ -202,12 +202,13 @@ class SessionSupervisor:
     def task(
         self,
         command_for: Callable[[Rank], _protocol.Command],
-        local_ranks: list[int],
+        indexes: list[int],
         router: OutputRouter,
         observer: Observer | None,
         timeout: float | None,
     ) -> RunResult:
-        """Run one task on ``local_ranks``: their values, or a launch error (see the module)."""
+        """Run one task on the ranks at ``indexes``: their values, or a launch error (see the
+        module)."""
         __tracebackhide__ = True
         policy = Policy(
             answers_post_mortems=True,
@@ -216,7 +217,7 @@ class SessionSupervisor:
             closing_note=self._note,
             watch=self._check_skipped_collective,
         )
-        self._begin([self.ranks[i] for i in local_ranks], router, policy, observer)
+        self._begin([self.ranks[i] for i in indexes], router, policy, observer)
         self.task_count += 1
         self._freed = ""
         try:
@@ -279,7 +280,8 @@ class SessionSupervisor:
         if running and phase == "interrupt":
             self._interrupt(running)
         elif running and phase == "give up":
-            ranks = f"Rank{_plural(len(running))} {', '.join(str(w.outcome.rank) for w in running)}"
+            numbers = ", ".join(str(rank.outcome.rank) for rank in running)
+            ranks = f"Rank{_plural(len(running))} {numbers}"
             self._free_or_stop(
                 running,
                 f"{ranks} could not be interrupted (blocked in a collective the failed rank "
@@ -362,11 +364,13 @@ class SessionSupervisor:
         """Run ``function(*args)`` on the idle ``ranks``, outside any cell; those where it
         did not end well within ``limit`` s."""
         payload = _shipping.dumps((function, args, {}))
-        failures = {w.index: w.failure for w in ranks}
+        failures = {rank.index: rank.failure for rank in ranks}
         for rank in ranks:
             rank.task_sent(_protocol.Call(0, payload))
-        self.loop.read_until(lambda: all(_idle(w) for w in ranks), limit)
-        return [w for w in ranks if not _idle(w) or w.failure is not failures[w.index]]
+        self.loop.read_until(lambda: all(_idle(rank) for rank in ranks), limit)
+        return [
+            rank for rank in ranks if not _idle(rank) or rank.failure is not failures[rank.index]
+        ]
 
     def _check_skipped_collective(self) -> None:
         """End the cell when the counts prove a deadlock (``_diagnosis.skipped_collective``)
@@ -374,20 +378,23 @@ class SessionSupervisor:
         run = self.loop.current
         if self.lost is not None or run.failure_seen or self._marks.failed_at is not None:
             return
-        if any(w.failure is not None for w in run.ranks):
+        if any(rank.failure is not None for rank in run.ranks):
             return  # a failure's own path interrupts the others
-        in_task = {w.index for w in run.ranks}
-        running = [w for w in run.ranks if not w.finished and w.alive]
-        done = [w for w in run.ranks if w.finished and w.outcome.status == "ok"]
-        done += [w for w in self.ranks if w.index not in in_task and w.alive]
+        in_task = {rank.index for rank in run.ranks}
+        running = [rank for rank in run.ranks if not rank.finished and rank.alive]
+        done = [rank for rank in run.ranks if rank.finished and rank.outcome.status == "ok"]
+        done += [rank for rank in self.ranks if rank.index not in in_task and rank.alive]
         now = time.monotonic()
         if not running or not done:
             self._marks.deadlock_key = self._marks.deadlock_since = None
             return
         states = {
-            w.outcome.rank: _collectives.read(self.loop.counter_file(w) or "") for w in running
+            rank.outcome.rank: _collectives.read(self.loop.counter_file(rank) or "")
+            for rank in running
         }
-        found = _diagnosis.skipped_collective({w.outcome.rank: w.collectives for w in done}, states)
+        found = _diagnosis.skipped_collective(
+            {rank.outcome.rank: rank.collectives for rank in done}, states
+        )
         key = None
         if found is not None:
             key = tuple((rank, state.entered) for rank, state in found.blocked)
@@ -398,7 +405,7 @@ class SessionSupervisor:
         if found is None or not _watchdogs.deadlock_due(marks.deadlock_since, now):
             return
         frames = self.loop.stacks(running)
-        by_rank = {w.outcome.rank: frames.get(w.index, []) for w in running}
+        by_rank = {rank.outcome.rank: frames.get(rank.index, []) for rank in running}
         text = _diagnosis.skipped_collective_report(found, by_rank)
         root = running[0]
         self._free_or_stop(
@@ -408,7 +415,7 @@ class SessionSupervisor:
             "restarted with fresh ranks and every rank's state was lost.",
         )
         root.blame("SkippedCollective", text.split("\n", 1)[0])
-        outcomes = [w.outcome for w in run.ranks]
+        outcomes = [rank.outcome for rank in run.ranks]
         message = f"{text}\n\n{self._note()}"
         raise self.loop.with_reports(
             WorkerFailedError(message, root.outcome, outcomes, self.loop.logs())

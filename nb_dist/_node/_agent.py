@@ -2,9 +2,9 @@
 
 The kernel (``nb_dist._cluster``) places one agent in each bundle of its placement group and
 calls it for every launch: :meth:`NodeAgent.start` starts the node's ranks exactly as the
-kernel starts local ones (``_kernel/_processes.start``: forkserver or spawn, five pipes, the
-start gate, a lifeline whose only write end the agent holds, so the ranks die with it), and a
-reader thread moves what they write into an :class:`~_outbox.Outbox` that the kernel's long
+kernel starts local ones (``_starter``: forkserver or spawn, five pipes, the start gate, a
+lifeline whose only write end the agent holds, so the ranks die with it), and a reader thread
+moves what they write into an :class:`~_outbox.Outbox` that the kernel's long
 :meth:`NodeAgent.poll` empties. The agent is a plain (non-detached) actor: it dies with the
 kernel's Ray driver, and the ranks die with the agent.
 
@@ -30,12 +30,12 @@ from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
-from .._kernel import _cuda_touches, _processes
 from .._rank import _regroup
 from .._rank._spec import RankSpec
-from .._shared import _clock, _collectives
+from .._shared import _clock, _collectives, _cuda_touches
 from .._shared._protocol import COLLECTIVES_ENV
-from .._shared._starting import (
+from .._starter import _processes
+from .._starter._run_parts import (
     DRAIN_AFTER_EXIT,
     Gate,
     gated_start,
@@ -73,7 +73,7 @@ class NodeAgent:
     def __init__(self, method: str = "forkserver") -> None:
         # ``import nb_dist`` waits for torch to record where CUDA is first touched, for a
         # launch to name; an agent never launches, and imports torch for its store only.
-        _cuda_touches.not_needed()
+        _cuda_touches.stop()
         self._niceness = _node_niceness()
         self._forkserver: threading.Thread | None = None
         if method == "forkserver":  # its imports overlap the launch's other preparations

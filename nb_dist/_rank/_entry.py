@@ -26,7 +26,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from .._shared import _protocol, _reporting
+from .._shared import _cuda_touches, _protocol, _reporting
 from .._shared._env import RANK_ENV_FLAG
 from .._shared._protocol import COLLECTIVES_ENV
 from . import _debug, _frameworks, _oneshot, _serve
@@ -130,6 +130,9 @@ def _detach_from_kernel(spec: RankSpec, channels: RankChannels, forked: bool) ->
 
     os.environ.update(spec.env)
     os.environ[RANK_ENV_FLAG] = str(spec.rank)
+    # A rank never launches: the CUDA-touch recorder a forked rank inherits from the kernel,
+    # or that ``import nb_dist`` started in a spawned one, records nothing here.
+    _cuda_touches.stop()
     _frameworks.become_a_script()  # a torchrun rank, not the kernel's interactive console
 
 

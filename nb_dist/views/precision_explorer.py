@@ -257,7 +257,7 @@ def format_finfo_table(rows: Sequence[FinfoRow] | None = None) -> str:
     ]
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     return "\n".join(
-        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
         for row in table
     )
 
@@ -340,7 +340,8 @@ class PrecisionExplorer(_WidgetView):
             ]
             widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
             lines.extend(
-                "  " + "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+                "  "
+                + "  ".join(c.ljust(width) for c, width in zip(row, widths, strict=True)).rstrip()
                 for row in rows
             )
 

@@ -1,11 +1,16 @@
-"""Where this process first touched CUDA, for the fork refusal to name (runs in the kernel).
+"""Where this process first touched CUDA, for the fork refusal to name.
 
 The two torch entry points that poison fork (device counting and initialization) are wrapped
 to remember the Python stack of their first call, so a refusal can say, e.g.,
 "torch.cuda.is_available() at Cell In[3], line 2". They are wrapped when torch is imported:
 at once if it is already, else by a one-shot import hook (``import nb_dist`` may come first,
-and must not import torch itself: a Ray node agent imports nb_dist and never needs torch).
-Only CUDA (or ROCm) builds are wrapped; CPU builds cannot poison fork.
+and must not import torch itself). Only CUDA (or ROCm) builds are wrapped; CPU builds cannot
+poison fork.
+
+Only a process that may launch needs it: ``import nb_dist`` starts it outside a rank
+(``_kernel/_at_import.py``), and a process that never launches stops it first thing (a rank
+at its entry, a node's agent, the fork server ranks are forked from), so none of them hooks
+torch's import or records anything. It lives in ``_shared`` because all of these call it.
 """
 
 from __future__ import annotations
@@ -40,12 +45,11 @@ def record() -> None:
     sys.meta_path.insert(0, _WhenTorchArrives())
 
 
-def not_needed() -> None:
-    """This process never launches (a Ray node agent): stop waiting for torch, so that its
-    import later is not hooked. A recorder already installed stays (torch came first)."""
+def stop() -> None:
+    """This process never launches (a rank, a node's agent, a fork server): no import hook
+    waits for torch, and wrappers already installed (torch came first, or a forked rank
+    inherited them) pass every call straight through without recording."""
     global _state
-    if _state != "waiting for torch":
-        return
     sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _WhenTorchArrives)]
     _state = "off"
 
@@ -82,7 +86,7 @@ def _install() -> None:
     def recording(original: Any) -> Any:
         def recorder(*args: Any) -> Any:
             global _first
-            if _first is None:
+            if _first is None and _state == "recording":
                 frames = traceback.extract_stack()[:-1]
                 _first = [(f.filename, f.lineno or 0, f.name) for f in frames]
             return original(*args)

@@ -32,8 +32,8 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
 
-from . import _collectives
-from ._protocol import COLLECTIVES_ENV, PIPES
+from .._shared import _collectives
+from .._shared._protocol import COLLECTIVES_ENV, PIPES
 
 #: How long ranks may take to reach the rendezvous store (the store's client timeout).
 STORE_TIMEOUT = 300.0

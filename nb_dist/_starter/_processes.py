@@ -34,7 +34,7 @@ from typing import Any, Protocol
 from .._rank._entry import forkserver_main, run_rank
 from .._rank._spec import RankChannels, RankSpec
 from .._shared._frames import PACKAGE_DIR
-from .._shared._starting import Gate
+from ._run_parts import Gate
 
 
 class RankProcess(Protocol):
@@ -115,7 +115,11 @@ def forkserver_context(preload: bool | None = None) -> BaseContext:
     """
     context = multiprocessing.get_context("forkserver")
     if preload or (preload is None and "torch" in sys.modules):
-        context.set_forkserver_preload(["torch", "nb_dist._rank._entry"])
+        # The first import stops the CUDA-touch recorder before torch arrives (a fork server
+        # never launches); then torch and the rank's entry, once for every rank.
+        context.set_forkserver_preload(
+            ["nb_dist._rank._fork_server", "torch", "nb_dist._rank._entry"]
+        )
     return context
 
 
