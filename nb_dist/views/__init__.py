@@ -13,6 +13,12 @@ everywhere else (``print``, scripts, nbconvert, nbval) it shows a deterministic 
   across ranks under ``no_sync()``.
 - :class:`PrecisionExplorer`: a value in fp32/fp16/bf16; :class:`LossScaleView`
   (``loss_scale_view.py``): a GradScaler trace.
+- :class:`MemoryExplorer`: bytes per rank of parameters, gradients, optimizer states and
+  activations under DP, ZeRO-1/2/3, TP and PP (notebook 13's formulas, :func:`memory_per_rank`).
+- :class:`TensorParallelView`: where TP's ``f`` and ``g`` (and sequence parallelism's
+  all-gathers and reduce-scatters) sit in a sub-block, and the bytes each moves.
+- :class:`OnlineSoftmaxView`: one query's softmax built block by block of keys (running ``m``,
+  ``den``, ``acc``), as ring attention does.
 
 Each rank has one colour in every view: :func:`rank_color`. The widgets' HTML is built from
 the pieces in ``_html.py``. :func:`widget_view_bundle` gives a widget's display entry on
@@ -35,6 +41,8 @@ if TYPE_CHECKING:
     from .colors import rank_color, rank_colors
     from .gradient_view import GradientView
     from .loss_scale_view import LossScaleView, scaler_step
+    from .memory_explorer import MemoryExplorer, memory_per_rank
+    from .online_softmax_view import OnlineSoftmaxView, SoftmaxStep, online_softmax_steps
     from .precision_explorer import (
         FinfoRow,
         PrecisionExplorer,
@@ -43,6 +51,12 @@ if TYPE_CHECKING:
         represent,
     )
     from .shard_explorer import ShardExplorer, sampler_assignments
+    from .tensor_parallel_view import (
+        Collective,
+        TensorParallelView,
+        tp_block_bytes,
+        tp_collectives,
+    )
 
 # The function ``consumed_view`` shares its module's name: imported at once, so that an import
 # of the module ``nb_dist.views.consumed_view`` cannot leave the package attribute pointing at
@@ -62,6 +76,11 @@ _WHERE = {
     "GradientView": "gradient_view",
     "LossScaleView": "loss_scale_view",
     "scaler_step": "loss_scale_view",
+    "MemoryExplorer": "memory_explorer",
+    "memory_per_rank": "memory_explorer",
+    "OnlineSoftmaxView": "online_softmax_view",
+    "SoftmaxStep": "online_softmax_view",
+    "online_softmax_steps": "online_softmax_view",
     "FinfoRow": "precision_explorer",
     "PrecisionExplorer": "precision_explorer",
     "Representation": "precision_explorer",
@@ -69,6 +88,10 @@ _WHERE = {
     "represent": "precision_explorer",
     "ShardExplorer": "shard_explorer",
     "sampler_assignments": "shard_explorer",
+    "Collective": "tensor_parallel_view",
+    "TensorParallelView": "tensor_parallel_view",
+    "tp_block_bytes": "tensor_parallel_view",
+    "tp_collectives": "tensor_parallel_view",
     "widget_view_bundle": "_display",
 }
 
@@ -90,22 +113,31 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "AllReduceStepper",
+    "Collective",
     "ConsumedView",
     "FinfoRow",
     "GradientView",
     "LossScaleView",
+    "MemoryExplorer",
+    "OnlineSoftmaxView",
     "PrecisionExplorer",
     "Representation",
     "RingStep",
     "ShardExplorer",
+    "SoftmaxStep",
+    "TensorParallelView",
     "chunk_bounds",
     "consumed_view",
     "finfo_table",
+    "memory_per_rank",
+    "online_softmax_steps",
     "rank_color",
     "rank_colors",
     "represent",
     "ring_allreduce_steps",
     "sampler_assignments",
     "scaler_step",
+    "tp_block_bytes",
+    "tp_collectives",
     "widget_view_bundle",
 ]

@@ -168,11 +168,60 @@ def move_pipeline_microbatches(page: Page, screenshots_dir: Path) -> None:
     assert after != before
 
 
+def move_memory_explorer_batch(page: Page, screenshots_dir: Path) -> None:
+    """One more sequence per batch on the memory explorer: DP's activations grow by 1/8."""
+    view = page.locator(".nb-dist-memory-explorer")
+    output = view.locator(".nb-dist-memory-explorer-output")
+    dp = output.locator('tr[data-strategy="DP"]')
+    before = wait_for_text(output, "b=8, s=32", VIEW_UPDATE_WITHIN)
+    assert "2.367" in dp.inner_text(), dp.inner_text()  # activations, MB: 4·L·(16bsh + ...)
+    screenshot(view, screenshots_dir, "memory_explorer.png")
+    handle = view.locator(".nb-dist-memory-explorer-b .noUi-handle")
+    handle.focus()
+    handle.press("ArrowRight")  # b = 8 -> 9
+    after = wait_for_text(output, "b=9, s=32", VIEW_UPDATE_WITHIN)
+    assert "2.663" in dp.inner_text(), dp.inner_text()  # 9/8 of the activations
+    assert view.locator(".nb-dist-memory-explorer-b .widget-readout").inner_text() == "9"
+    assert after != before
+
+
+def switch_tensor_parallel_mode(page: Page, screenshots_dir: Path) -> None:
+    """TP + SP instead of TP: f and g's all-reduces become all-gathers and reduce-scatters."""
+    view = page.locator(".nb-dist-tensor-parallel-view")
+    output = view.locator(".nb-dist-tensor-parallel-view-output")
+    before = wait_for_text(output, "262144 bytes sent per rank and step", VIEW_UPDATE_WITHIN)
+    assert "reduce-scatter" not in before, before
+    screenshot(view, screenshots_dir, "tensor_parallel_view.png")
+    view.locator(".nb-dist-tensor-parallel-view-mode button").filter(has_text="TP + SP").click()
+    after = wait_for_text(output, "329216 bytes sent per rank and step", VIEW_UPDATE_WITHIN)
+    assert "reduce-scatter" in after and "all-gather" in after, after
+
+
+def step_online_softmax(page: Page, screenshots_dir: Path) -> None:
+    """One block further on the online softmax: the next block's row and running state appear."""
+    view = page.locator(".nb-dist-online-softmax-view")
+    output = view.locator(".nb-dist-online-softmax-view-output")
+    readout = view.locator(".nb-dist-online-softmax-view-step .widget-readout")
+    before = wait_for_text(output, "3 block(s) to go", VIEW_UPDATE_WITHIN)
+    assert "block 1 (keys 16-31)" not in before, before
+    assert readout.inner_text() == "1"
+    screenshot(view, screenshots_dir, "online_softmax_view.png")
+    handle = view.locator(".nb-dist-online-softmax-view-step .noUi-handle")
+    handle.focus()
+    handle.press("ArrowRight")  # 1 -> 2 blocks seen
+    after = wait_for_text(output, "block 1 (keys 16-31)", VIEW_UPDATE_WITHIN)
+    assert "2 block(s) to go" in after, after
+    assert readout.inner_text() == "2"
+
+
 INTERACTIONS: dict[str, Callable[[Page, Path], None]] = {
     "02_sharding.ipynb": move_shard_explorer_epoch,
     "03_allreduce_and_gradients.ipynb": step_allreduce_and_gradients,
     "04_mixed_precision.ipynb": change_precision_value,
+    "13_memory_of_a_training_step.ipynb": move_memory_explorer_batch,
+    "15_tensor_parallelism.ipynb": switch_tensor_parallel_mode,
     "16_pipeline_parallelism.ipynb": move_pipeline_microbatches,
+    "17_context_parallelism.ipynb": step_online_softmax,
 }
 
 
