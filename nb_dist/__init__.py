@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib as _importlib
 from typing import TYPE_CHECKING as _TYPE_CHECKING
 
-from ._kernel import _at_import
+from . import _at_import
 
 if _TYPE_CHECKING:
     from ._cluster._ray_cluster import RayCluster
@@ -134,7 +134,7 @@ __all__ = [
     "world_size",
 ]
 
-# What ``import nb_dist`` does beyond names, and where (``_kernel/_at_import.py``): the silent
+# What ``import nb_dist`` does beyond names, and where (``_at_import.py``): the silent
 # "nb_dist" logger; outside a rank, CUDA touches recorded once torch is imported; in IPython,
 # IPython 7's cells named as IPython 8 names them, and a first DDP cell's imports warmed.
 _at_import.prepare()

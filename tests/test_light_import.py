@@ -2,7 +2,7 @@
 
 A rank, a Ray node agent, a script and ``nb-dist run`` import only their own side: no
 widgets, no IPython (0.07 s of it), and ``import nb_dist`` alone not even torch. What the
-import still does (``_kernel/_at_import.py``) happens only where it is needed. Each check
+import still does (``nb_dist/_at_import.py``) happens only where it is needed. Each check
 
 #: Unit tests and quick launches: all in the fast lane (python -m pytest -m fast).
 pytestmark = pytest.mark.fast
@@ -149,6 +149,19 @@ def test_no_rank_and_no_fork_server_records_cuda_touches():
     # The launching process still records (or knows its torch is a CPU build).
     assert found["kernel"][0] == "waiting for torch"
     assert found["kernel"][1] in ("recording", "CPU build")
+
+
+def test_a_rank_and_a_node_agent_import_nothing_of_the_kernel():
+    """What a rank runs (its entry) and what a node agent runs load no module of ``_kernel``:
+    ``import nb_dist`` reaches the kernel's side only in an IPython shell."""
+    found = _python(
+        """
+        import json, sys
+        import nb_dist._rank._entry, nb_dist._node._agent
+        print(json.dumps(sorted(m for m in sys.modules if m.startswith("nb_dist._kernel"))))
+        """
+    )
+    assert found == [], found
 
 
 def test_in_a_rank_import_nb_dist_does_nothing_of_the_kernels():

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 import nb_dist
 from nb_dist import UnsafeLaunchError, WorkerFailedError, notebook_launcher
-from nb_dist._kernel._plan import device_choice
+from nb_dist._kernel._local import device_choice
 
 #: Unit tests and quick launches: all in the fast lane (python -m pytest -m fast).
 pytestmark = pytest.mark.fast

@@ -325,19 +325,29 @@ def test_a_launch_that_fails_after_its_store_opened_closes_the_store(cluster, mo
 
 
 def test_a_start_that_fails_on_the_agents_shows_the_agents_error(cluster, monkeypatch):
-    """The agents' own error reaches the cell (no error of nb_dist's cleanup over it), and
-    the next launch works."""
+    """The agents' own error reaches the cell (no error of nb_dist's cleanup over it), the
+    run is ended on the agents once (not again by the host), and the next launch works."""
     import dataclasses
 
-    decide = type(cluster).decide
+    from nb_dist._cluster import _gang
 
-    def unknown_start_method(self, plan, options):
-        return dataclasses.replace(decide(self, plan, options), start_method="no-such-method")
+    decide = type(cluster).decide
+    end_run = _gang.Gang.end_run
+    ended: list[int] = []
+
+    def unknown_start_method(self, plan):
+        return dataclasses.replace(decide(self, plan), start_method="no-such-method")
+
+    def counted(self, run, links=None):
+        ended.append(run)
+        end_run(self, run, links)
 
     monkeypatch.setattr(type(cluster), "decide", unknown_start_method)
+    monkeypatch.setattr(_gang.Gang, "end_run", counted)
     with pytest.raises(Exception) as caught:
         nb_dist.notebook_launcher(_warm, (1,), num_processes=2, cluster=cluster)
     assert "join" not in str(caught.value) and "AssertionError" in str(caught.value)
+    assert len(ended) == 1, ended
     monkeypatch.undo()
     assert list(nb_dist.notebook_launcher(_warm, (4,), num_processes=2, cluster=cluster)) == [8, 8]
 

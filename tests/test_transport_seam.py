@@ -21,7 +21,6 @@ from process_helpers import assert_all_gone
 
 import nb_dist
 from nb_dist._kernel._local import LocalTransport
-from nb_dist._kernel._options import LaunchOptions
 from nb_dist._kernel._plan import LaunchPlan
 from nb_dist._kernel._rank_handle import Rank
 from nb_dist._kernel._supervisor import RankHost
@@ -64,8 +63,8 @@ class JournalledTransport:
         self._local = LocalTransport()
         self._fail_open, self._fail_start = fail_open, fail_start
 
-    def decide(self, plan: LaunchPlan, options: LaunchOptions) -> LaunchPlan:
-        decided = self._local.decide(plan, options)
+    def decide(self, plan: LaunchPlan) -> LaunchPlan:
+        decided = self._local.decide(plan)
         self.journal.append(("decide", decided.nprocs))
         return decided
 

@@ -315,6 +315,8 @@ class Forwarder:
                 link.actor.wake.remote(link.run)
         for thread in self._threads:
             thread.join(timeout=2 * POLL_WAIT + 1.0)
+            if thread.is_alive():  # a daemon thread: it ends when its call returns
+                _log.warning("%s still waits on its agent after the run ended", thread.name)
         for link in self.links:
             link.close()
         os.close(self._wake_r)

@@ -195,18 +195,21 @@ class Gang:
         on_lost: Callable[[int], OnLost],
     ) -> tuple[Forwarder, list[RemoteProcess]]:
         """Start one run's ranks (``specs[r]`` for rank ``r``, ``theirs[r]`` its local pipe
-        ends); the forwarder (started) and each rank's process."""
+        ends); the forwarder (started) and each rank's process. A start that raises has ended
+        the run on every agent (:meth:`end_run`): nothing of it is left there."""
         if time.monotonic() - self._clocks_at > CLOCKS_FRESH_FOR:
             with contextlib.suppress(Exception):  # kept as they were; a lost agent is found below
                 self.measure_clocks()
         lay = self.layout
-        links = [
-            AgentLink(self.ray, actor, run, self.nodes[i].address, self.clock_offsets[i])
-            for i, actor in enumerate(self.agents)
-        ]
-        for rank in range(len(specs)):
-            links[lay.agent[rank]].add_rank(lay.position[rank], theirs[rank], mirrors[rank])
+        links: list[AgentLink] = []
+        forwarder: Forwarder | None = None
         try:
+            links += [
+                AgentLink(self.ray, actor, run, self.nodes[i].address, self.clock_offsets[i])
+                for i, actor in enumerate(self.agents)
+            ]
+            for rank in range(len(specs)):
+                links[lay.agent[rank]].add_rank(lay.position[rank], theirs[rank], mirrors[rank])
             refs = [
                 actor.start.remote(
                     run, method, [specs[r] for r in range(len(specs)) if lay.agent[r] == i]
@@ -214,13 +217,16 @@ class Gang:
                 for i, actor in enumerate(self.agents)
             ]
             pids = self.ray.get(refs, timeout=START_LIMIT)
+            forwarder = Forwarder(self.ray, links)  # only now: its threads start with it
+            forwarder.start()
         except BaseException:  # the agents' own error (or ■) is what the cell shows
-            self.end_run(run, links)
+            if forwarder is not None:
+                with contextlib.suppress(Exception):  # e.g. a thread that never started
+                    forwarder.stop()
+            self.end_run(run, links if len(links) == len(self.agents) else None)
             for link in links:
                 link.close()
             raise
-        forwarder = Forwarder(self.ray, links)  # only now: its threads start with it
-        forwarder.start()
         processes = [
             RemoteProcess(
                 links[lay.agent[r]], lay.position[r], pids[lay.agent[r]][lay.position[r]],

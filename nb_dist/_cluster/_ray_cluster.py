@@ -19,7 +19,6 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-from .._kernel._options import LaunchOptions
 from .._kernel._plan import LaunchPlan
 from .._kernel._preflight import check_positive_int
 from . import _connect, _placement, _remote_run
@@ -122,7 +121,7 @@ class RayCluster:
         )
 
     # ------------------------------------------------------------------ the transport
-    def decide(self, plan: LaunchPlan, options: LaunchOptions) -> LaunchPlan:
+    def decide(self, plan: LaunchPlan) -> LaunchPlan:
         """The launch's plan on this cluster (``_kernel/_transport.py``); reserves the nodes."""
         gpus = self.resources_per_rank.get("GPU", 0.0) > 0
         if plan.device == "cuda" and not gpus:
@@ -131,7 +130,7 @@ class RayCluster:
                 "RayCluster(resources_per_rank={'GPU': 1, ...})."
             )
         use_gpu = gpus and plan.device != "cpu"
-        return _remote_run.decide(self._reserve, plan, options, use_gpu)
+        return _remote_run.decide(self._reserve, plan, use_gpu)
 
     def open(self, plan: LaunchPlan, number: int) -> tuple[list[dict[str, str]], ClusterHost]:
         """One attempt's ranks (or a live session's, ``nb_dist.Ranks(cluster=...)``) on the

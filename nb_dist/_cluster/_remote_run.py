@@ -22,7 +22,6 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from .._kernel import _plan
-from .._kernel._options import LaunchOptions
 from .._kernel._plan import LaunchPlan
 from .._kernel._rank_handle import Rank
 from .._kernel._run_setup import rank_env
@@ -40,16 +39,11 @@ CLUSTER_RENDEZVOUS = 120.0
 FORK_INSTEAD = "forkserver"
 
 
-def decide(
-    gang_for: Callable[[int, str], Gang],
-    plan: LaunchPlan,
-    options: LaunchOptions,
-    use_gpu: bool,
-) -> LaunchPlan:
+def decide(gang_for: Callable[[int, str], Gang], plan: LaunchPlan, use_gpu: bool) -> LaunchPlan:
     """The plan of a launch on the cluster; ``gang_for(nprocs, start_method)`` reserves its
     nodes. Where the ranks go is the cluster's; the rules every transport shares (start
     method, threads, the ``"auto"`` rendezvous timeout) are ``_plan.place``'s."""
-    _refuse_local_only(options)
+    _refuse_placed_by_hand(plan)
     if plan.asked_processes is None:
         raise ValueError(
             "num_processes=None means one process per local GPU; on a cluster say how many "
@@ -59,7 +53,7 @@ def decide(
     method = FORK_INSTEAD if plan.start_method == "fork" else plan.start_method
     payload, shipped = ship(plan.function, plan.args)  # before nodes are reserved for it
     gang = gang_for(nprocs, method)
-    there = _plan.Placement(
+    there = _plan.Where(
         ranks=tuple(range(nprocs)),
         world_size=nprocs,
         num_nodes=gang.layout.num_nodes,
@@ -73,19 +67,13 @@ def decide(
     return _plan.place(plan, there)
 
 
-def _refuse_local_only(options: LaunchOptions) -> None:
-    defaults = LaunchOptions()
-    given = [
-        name
-        for name in ("use_port", "master_addr", "node_rank", "num_nodes", "rdzv_endpoint")
-        if getattr(options, name) != getattr(defaults, name)
-    ]
+def _refuse_placed_by_hand(plan: LaunchPlan) -> None:
+    given = ", ".join(plan.placed_by_hand)
     if given:
         raise ValueError(
-            f"{', '.join(given)} place a launch by hand on several machines; with cluster= the "
+            f"{given} place a launch by hand on several machines; with cluster= the "
             "cluster places the ranks, hosts the rendezvous on rank 0's node and picks its "
-            f"port. Remove {', '.join(given)} (processes_per_node and placement are "
-            "RayCluster's options)."
+            f"port. Remove {given} (processes_per_node and placement are RayCluster's options)."
         )
 
 
@@ -237,6 +225,8 @@ class ClusterHost:
             for index, (rank, process) in enumerate(zip(ranks, processes, strict=True)):
                 rank.attach(process, self._gang.clock_offsets[lay.agent[index]])
         except BaseException:
+            # A start the gang refused was ended on every agent there (Gang.start).
+            self._run_ended = self._forwarder is None
             for ends in theirs:
                 for conn in ends.values():
                     conn.close()

@@ -164,7 +164,7 @@ def notebook_launcher(
     )  # fmt: skip
     plan = check_arguments(function, args, options)
     transport = transport_for(cluster)  # where the ranks run: this machine or a cluster's
-    plan = transport.decide(plan, options)
+    plan = transport.decide(plan)
     live_view = open_live_view(list(plan.ranks)) if plan.monitor else None
     try:
         outcome, logs, port, restarts = _run_attempts(transport, plan, live_view)

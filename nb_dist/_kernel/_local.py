@@ -1,6 +1,6 @@
 """The local transport: a launch's ranks on this machine (``_transport.py``'s default).
 
-Runs in the kernel. :meth:`LocalTransport.decide` is ``_plan.decide`` (this machine's
+Runs in the kernel. :meth:`LocalTransport.decide` is :func:`decide_here` (this machine's
 devices, the threads fork can give, the function shipped for spawn and forkserver);
 :meth:`LocalTransport.open` opens the kernel's store, scratch folder and environments
 (``_run_setup.RunSetup``) for one attempt or one start of live ranks, and gives them to a
@@ -18,6 +18,8 @@ ends, the lifeline's and the gate's write ends), or EOF would never come.
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import weakref
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -25,8 +27,7 @@ from multiprocessing.connection import Connection
 from .._rank._spec import RankSpec
 from .._starter import _processes
 from .._starter._run_parts import gated_start
-from . import _openmp, _plan, _ports
-from ._options import LaunchOptions
+from . import _openmp, _plan, _ports, _preflight, _warm
 from ._plan import LaunchPlan
 from ._rank_handle import Rank
 from ._run_setup import RunSetup
@@ -99,12 +100,100 @@ class LocalHost:
         return None  # read on this machine by the kernel itself
 
 
+# This machine's ``rendezvous_timeout="auto"``: how long the first rank to reach
+# init_process_group waits for the others before the launch is stopped with a report (torch
+# itself would wait for minutes); by hand on several machines, the others start later.
+RENDEZVOUS_TIMEOUT = 20.0
+_MULTI_NODE_RENDEZVOUS = 300.0
+
+
+def decide_here(plan: LaunchPlan) -> LaunchPlan:
+    """Steps 4 and 5 of ``_plan``'s order on the checked plan, for ranks on this machine:
+    the kernel's state, then its devices (how many ranks, GPUs or not); then
+    ``_plan.place``'s rules for every transport (start method, threads, shipping)."""
+    _preflight.check_process_group()  # 4. The kernel's state.
+    _preflight.check_accelerate_state()
+    # 5. Devices.
+    use_gpu, nprocs, device_notice = _devices(plan.device, plan.asked_processes, plan.start_method)
+    here = _plan.Where(
+        ranks=tuple(plan.node_rank * nprocs + local for local in range(nprocs)),
+        world_size=nprocs * plan.num_nodes,
+        num_nodes=plan.num_nodes,
+        use_gpu=use_gpu,
+        cores_per_rank=_cores() // nprocs,
+        # e.g. Windows: no fork; spawn ships the function with cloudpickle
+        instead_of_fork=None if "fork" in multiprocessing.get_all_start_methods() else "spawn",
+        auto_rendezvous=RENDEZVOUS_TIMEOUT if plan.num_nodes == 1 else _MULTI_NODE_RENDEZVOUS,
+        # This kernel's warm relaunches were switched off: said once, at a launch here.
+        notices=tuple(n for n in (device_notice, _warm.take_notice()) if n),
+    )
+    return _plan.place(plan, here)
+
+
+def _devices(device: str, num_processes: int | None, method: str) -> tuple[bool, int, str | None]:
+    """Whether ranks use GPUs, how many ranks, and a notice: :func:`device_choice` on what
+    the probe sees (which never initializes CUDA); a poisoned fork is refused."""
+    cuda = _preflight.probe_cuda() if device != "cpu" else _preflight.CudaState(0, False, None)
+    use_gpu, num_processes, notice = device_choice(device, num_processes, cuda.gpus)
+    if use_gpu and cuda.poisoned and method == "fork":
+        raise _preflight.cuda_poisoned_error(cuda)
+    return use_gpu, num_processes, notice
+
+
+def device_choice(
+    device: str, num_processes: int | None, gpus: int
+) -> tuple[bool, int, str | None]:
+    """Whether ranks use GPUs, how many ranks (``None``: one per GPU), and a notice, given
+    the number of visible GPUs.
+
+    With the default ``device="auto"``, more ranks than visible GPUs run on the CPU (gloo)
+    with a notice, so a notebook written for a laptop also runs on a one-GPU machine (Colab);
+    ``device="cuda"`` asks for GPUs, and too many ranks are refused."""
+    use_gpu = device == "cuda" or (device == "auto" and gpus > 0)
+    if use_gpu and gpus == 0:
+        raise ValueError(
+            "device='cuda' but no GPU is visible to this kernel (check CUDA_VISIBLE_DEVICES "
+            "and the driver). Use device='cpu' (or the default 'auto') to run on CPU."
+        )
+    if num_processes is None:
+        if not use_gpu:
+            raise ValueError(
+                "num_processes=None means one process per GPU, and no GPU is in use here. "
+                "Say how many CPU processes to start, e.g. num_processes=2."
+            )
+        return True, gpus, None
+    if use_gpu and device == "auto" and num_processes > gpus:
+        return (
+            False,
+            num_processes,
+            (
+                f"num_processes={num_processes} but {gpus} GPU(s) are visible, so the ranks run "
+                "on the CPU with gloo. For GPUs, pass device='cuda' with "
+                f"num_processes={gpus} or fewer (one process per GPU)."
+            ),
+        )
+    if use_gpu and num_processes > gpus:
+        raise ValueError(
+            f"num_processes={num_processes} with device='cuda' but only {gpus} GPU(s) are "
+            f"visible: each process needs its own GPU. Use num_processes={gpus} or fewer, or "
+            "device='cpu' (or the default 'auto', which runs more ranks than GPUs on the CPU)."
+        )
+    return use_gpu, num_processes, None
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
 class LocalTransport:
     """Ranks on this machine: the :class:`~_transport.Transport` of every launch without
     ``cluster=``."""
 
-    def decide(self, plan: LaunchPlan, options: LaunchOptions) -> LaunchPlan:
-        return _plan.decide(plan)  # nothing here refuses an option the checks let through
+    def decide(self, plan: LaunchPlan) -> LaunchPlan:
+        return decide_here(plan)
 
     def open(self, plan: LaunchPlan, number: int) -> tuple[list[dict[str, str]], LocalHost]:
         setup = RunSetup(plan, number, "nb_dist_ranks_" if plan.session else "nb_dist_run_")

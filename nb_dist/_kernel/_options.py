@@ -2,7 +2,7 @@
 
 ``notebook_launcher`` and ``Ranks`` build a :class:`LaunchOptions` by keyword from their
 signatures; ``_plan.check_arguments`` checks its fields in the signature's order and
-``_plan.decide`` finishes the plan. No option travels by position, so two options of the
+the transport's ``decide`` finishes the plan. No option travels by position, so two options of the
 same type cannot be swapped by a caller. Runs in the kernel.
 """
 

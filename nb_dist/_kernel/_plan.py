@@ -1,9 +1,11 @@
 """The launch plan: every argument checked in one documented order, then one frozen plan.
 
-:func:`check_arguments` and the transport's decision (this machine's: :func:`decide`) turn
-``notebook_launcher``'s arguments into a :class:`LaunchPlan` before anything starts, checking
-in this order (the first problem found is the one reported); steps 6 and 7, and the start
-method, threads and ``"auto"`` rendezvous timeout, are :func:`place`'s, for every transport:
+:func:`check_arguments` (steps 1 to 3), the transport's decision of where the ranks go
+(``Transport.decide``; this machine's, ``_local.decide_here``: steps 4 and 5) and
+:func:`place` (the rules for every transport: start method, threads, the ``"auto"``
+rendezvous timeout; steps 6 and 7) turn ``notebook_launcher``'s arguments into a
+:class:`LaunchPlan` before anything starts, checking in this order (the first problem found
+is the one reported):
 
 1. a launch from inside a rank of a launch;
 2. each argument on its own, in the order of the signature (types, ranges, choices);
@@ -24,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import linecache
-import multiprocessing
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -39,12 +40,6 @@ from ._errors import UnsafeLaunchError
 from ._options import LaunchOptions
 from ._output import DEFAULT_PREFIX, OUTPUT_MODES, RICH_OUTPUT_MODES
 from ._tracebacks import cell_label
-
-# This machine's ``rendezvous_timeout="auto"``: how long the first rank to reach
-# init_process_group waits for the others before the launch is stopped with a report (torch
-# itself would wait for minutes); by hand on several machines, the others start later.
-RENDEZVOUS_TIMEOUT = 20.0
-_MULTI_NODE_RENDEZVOUS = 300.0
 
 
 @dataclass(frozen=True)
@@ -88,6 +83,10 @@ class LaunchPlan:
     asked_processes: int | None = None
     asked_threads: int | None = None
     rendezvous_auto: bool = False
+    #: The options given that place a launch by hand on machines (``use_port``,
+    #: ``master_addr``, ``node_rank``, ``num_nodes``, ``rdzv_endpoint``), which a transport
+    #: that places the ranks itself refuses by name.
+    placed_by_hand: tuple[str, ...] = ()
 
     @property
     def nprocs(self) -> int:
@@ -127,7 +126,7 @@ class LaunchPlan:
 
 
 @dataclass(frozen=True)
-class Placement:
+class Where:
     """What a transport decided about where a launch's ranks go (``Transport.decide``), for
     :func:`place`, which applies the rules every transport shares."""
 
@@ -147,7 +146,7 @@ class Placement:
     notices: tuple[str, ...] = ()
 
 
-def place(plan: LaunchPlan, where: Placement) -> LaunchPlan:
+def place(plan: LaunchPlan, where: Where) -> LaunchPlan:
     """The final plan: the checked ``plan`` (what the caller asked) on ``where``, by the
     rules every transport shares, in one place: the start method, the threads per rank
     (:func:`threads_for`; fewer where a fork would hang, step 6), the ``"auto"`` rendezvous
@@ -160,8 +159,6 @@ def place(plan: LaunchPlan, where: Placement) -> LaunchPlan:
     if method == "fork":  # 6. Threads fork can give.
         threads, notice = _fork_safe_threads(threads, explicit=plan.asked_threads is not None)
         notices += [notice] if notice else []
-    warm_notice = _warm.take_notice()
-    notices += [warm_notice] if warm_notice else []
     payload = where.payload  # 7. Shipping the function to fresh processes.
     if payload is None and method != "fork":
         payload = _pickle_for_spawn(plan.function, plan.args)
@@ -181,29 +178,6 @@ def place(plan: LaunchPlan, where: Placement) -> LaunchPlan:
         linecache_entries=cell_sources() if payload is not None else {},
         notices=tuple(notices),
     )
-
-
-def decide(plan: LaunchPlan) -> LaunchPlan:
-    """Steps 3 to 5 on the checked plan (:func:`check_arguments`, which keeps what the
-    caller asked in ``asked_processes``, ``asked_threads`` and ``rendezvous_auto``): where
-    ranks on this machine go (``_local.LocalTransport.decide``), then :func:`place`."""
-    _check_multi_node(plan.num_nodes, plan.port, plan.max_restarts)  # 3. Combinations.
-    _preflight.check_process_group()  # 4. The kernel's state.
-    _preflight.check_accelerate_state()
-    # 5. Devices.
-    use_gpu, nprocs, device_notice = _devices(plan.device, plan.asked_processes, plan.start_method)
-    here = Placement(
-        ranks=tuple(plan.node_rank * nprocs + local for local in range(nprocs)),
-        world_size=nprocs * plan.num_nodes,
-        num_nodes=plan.num_nodes,
-        use_gpu=use_gpu,
-        cores_per_rank=_cores() // nprocs,
-        # e.g. Windows: no fork; spawn ships the function with cloudpickle
-        instead_of_fork=None if "fork" in multiprocessing.get_all_start_methods() else "spawn",
-        auto_rendezvous=RENDEZVOUS_TIMEOUT if plan.num_nodes == 1 else _MULTI_NODE_RENDEZVOUS,
-        notices=(device_notice,) if device_notice else (),
-    )
-    return place(plan, here)
 
 
 def check_arguments(
@@ -241,6 +215,7 @@ def check_arguments(
     debug = o.debug
     if debug is not None:
         debug = _preflight.check_choice("debug", debug, DEBUG_MODES)
+    _check_multi_node(nodes, port, restarts)  # 3. Combinations.
     return LaunchPlan(
         function=function, args=call_args, ranks=(), world_size=0, node_rank=node,
         num_nodes=nodes, master_addr=addr, port=port, rdzv_id=str(o.rdzv_id),
@@ -251,8 +226,14 @@ def check_arguments(
         rendezvous_timeout=rdzv_limit, hang_notice_after=hang_after, poll_interval=poll or 0.1,
         warm_imports=o.warm_imports, monitor=o.monitor, notices=tuple(notices), debug=debug,
         asked_processes=o.num_processes, asked_threads=o.threads_per_process,
-        rendezvous_auto=rdzv_auto,
+        rendezvous_auto=rdzv_auto, placed_by_hand=_placed_by_hand(o),
     )  # fmt: skip
+
+
+def _placed_by_hand(options: LaunchOptions) -> tuple[str, ...]:
+    defaults = LaunchOptions()
+    names = ("use_port", "master_addr", "node_rank", "num_nodes", "rdzv_endpoint")
+    return tuple(n for n in names if getattr(options, n) != getattr(defaults, n))
 
 
 #: ``debug=``: ``None`` (no debugger), or keep the failing rank for a post-mortem.
@@ -282,57 +263,6 @@ def _check_multi_node(num_nodes: int, port: int | None, restarts: int) -> None:
             "one machine only. Use max_restarts=0, or torchrun with an elastic rendezvous "
             "(--rdzv-backend=c10d --max-restarts=N) for fault-tolerant multi-node jobs."
         )
-
-
-def _devices(device: str, num_processes: int | None, method: str) -> tuple[bool, int, str | None]:
-    """Whether ranks use GPUs, how many ranks, and a notice: :func:`device_choice` on what
-    the probe sees (which never initializes CUDA); a poisoned fork is refused."""
-    cuda = _preflight.probe_cuda() if device != "cpu" else _preflight.CudaState(0, False, None)
-    use_gpu, num_processes, notice = device_choice(device, num_processes, cuda.gpus)
-    if use_gpu and cuda.poisoned and method == "fork":
-        raise _preflight.cuda_poisoned_error(cuda)
-    return use_gpu, num_processes, notice
-
-
-def device_choice(
-    device: str, num_processes: int | None, gpus: int
-) -> tuple[bool, int, str | None]:
-    """Whether ranks use GPUs, how many ranks (``None``: one per GPU), and a notice, given
-    the number of visible GPUs.
-
-    With the default ``device="auto"``, more ranks than visible GPUs run on the CPU (gloo)
-    with a notice, so a notebook written for a laptop also runs on a one-GPU machine (Colab);
-    ``device="cuda"`` asks for GPUs, and too many ranks are refused."""
-    use_gpu = device == "cuda" or (device == "auto" and gpus > 0)
-    if use_gpu and gpus == 0:
-        raise ValueError(
-            "device='cuda' but no GPU is visible to this kernel (check CUDA_VISIBLE_DEVICES "
-            "and the driver). Use device='cpu' (or the default 'auto') to run on CPU."
-        )
-    if num_processes is None:
-        if not use_gpu:
-            raise ValueError(
-                "num_processes=None means one process per GPU, and no GPU is in use here. "
-                "Say how many CPU processes to start, e.g. num_processes=2."
-            )
-        return True, gpus, None
-    if use_gpu and device == "auto" and num_processes > gpus:
-        return (
-            False,
-            num_processes,
-            (
-                f"num_processes={num_processes} but {gpus} GPU(s) are visible, so the ranks run "
-                "on the CPU with gloo. For GPUs, pass device='cuda' with "
-                f"num_processes={gpus} or fewer (one process per GPU)."
-            ),
-        )
-    if use_gpu and num_processes > gpus:
-        raise ValueError(
-            f"num_processes={num_processes} with device='cuda' but only {gpus} GPU(s) are "
-            f"visible: each process needs its own GPU. Use num_processes={gpus} or fewer, or "
-            "device='cpu' (or the default 'auto', which runs more ranks than GPUs on the CPU)."
-        )
-    return use_gpu, num_processes, None
 
 
 def _check_rdzv_backend(backend: object, num_nodes: int) -> None:
@@ -365,7 +295,7 @@ def rendezvous_limit(
     rendezvous_timeout: float | str | None, conf_timeout: float | None
 ) -> float | None:
     """``rendezvous_timeout`` checked: ``"auto"`` is ``rdzv_conf``'s timeout here (without
-    one, the transport's own, :attr:`Placement.auto_rendezvous`)."""
+    one, the transport's own, :attr:`Where.auto_rendezvous`)."""
     if rendezvous_timeout == "auto":
         rendezvous_timeout = conf_timeout
     return _preflight.check_seconds("rendezvous_timeout", rendezvous_timeout)
@@ -453,13 +383,6 @@ def threads_for(threads_per_process: int | None, cores_per_rank: int) -> int | N
     if user_value:
         return int(user_value) if user_value.isdigit() and int(user_value) > 0 else None
     return max(1, cores_per_rank)
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
 
 
 def _fork_safe_threads(threads: int | None, explicit: bool) -> tuple[int | None, str | None]:

@@ -86,12 +86,13 @@ class RankHost(Protocol):
 class Supervisor:
     """Runs one attempt: ``run()`` returns per-rank values or raises a launch error.
 
-    The loop's public surface, for an owner that drives it run by run (a live session):
-    ``start_and_watch``, ``watch``, ``read``, ``read_until``, ``poll_processes``,
-    ``set_status``, ``stacks``, ``stuck_views``, ``counter_file``, ``stop_all``,
-    ``stop_for_failure``, ``mute_view``, ``result``, ``logs``, ``with_reports`` and
-    ``close``; its state: ``config``, ``host``, ``ranks``, ``held`` and ``current`` (the run
-    now going on, which such an owner replaces per task).
+    An owner that drives it run by run (a live session) begins each run with ``begin_run``,
+    which returns the :class:`~_pump.Run` the owner then reads (its ranks, router, reports),
+    and drives it with the loop's operations: ``start_and_watch``, ``watch``, ``read``,
+    ``read_until``, ``poll_processes``, ``set_status``, ``stop_all``, ``stop_for_failure``,
+    ``mute_view``, ``close``, and what it reads of the ranks (``stacks``, ``stuck_views``,
+    ``counter_file``, ``result``, ``logs``, ``with_reports``); its state: ``config``,
+    ``host``, ``ranks``, ``held``.
     """
 
     def __init__(

@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from ._local import LocalTransport
 
 if TYPE_CHECKING:
-    from ._options import LaunchOptions
     from ._plan import LaunchPlan
     from ._supervisor import RankHost
 
@@ -35,10 +34,10 @@ if TYPE_CHECKING:
 class Transport(Protocol):
     """Where a launch's ranks run, and what starting them there takes."""
 
-    def decide(self, plan: LaunchPlan, options: LaunchOptions) -> LaunchPlan:
-        """The final plan from the checked one (what the caller asked is in its ``asked_*``
-        fields); raises what refuses the launch. ``options`` as passed, for a transport that
-        refuses some (a cluster places its ranks itself: no ``use_port``, ``num_nodes``)."""
+    def decide(self, plan: LaunchPlan) -> LaunchPlan:
+        """The final plan from the checked one (what the caller asked is in its fields:
+        ``asked_*``, ``rendezvous_auto``, ``placed_by_hand``): where the ranks go, then
+        ``_plan.place``'s rules; raises what refuses the launch."""
         ...
 
     def open(self, plan: LaunchPlan, number: int) -> tuple[list[dict[str, str]], RankHost]:

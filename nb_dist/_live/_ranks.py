@@ -138,7 +138,7 @@ class Ranks:
     def _start(self) -> None:
         __tracebackhide__ = True
         _prompts.release_all()
-        plan = self._transport.decide(self._checked, self._options)
+        plan = self._transport.decide(self._checked)
         self.plan: LaunchPlan = plan
         router = self._router()
         for text in plan.notices:

@@ -37,7 +37,7 @@ from .._kernel._errors import LaunchInterrupted, LaunchTimeoutError, WorkerFaile
 from .._kernel._observer import Observer
 from .._kernel._output import OutputRouter
 from .._kernel._plan import LaunchPlan
-from .._kernel._pump import Policy
+from .._kernel._pump import Policy, Run
 from .._kernel._rank_handle import Rank
 from .._kernel._supervisor import RankHost, RunResult, Supervisor
 from .._rank import _regroup
@@ -108,6 +108,8 @@ class SessionSupervisor:
         #: The supervisor loop that starts, reads, watches and stops the ranks; between
         #: tasks (and while they start) its run watches every rank under ``_BETWEEN``.
         self.loop = Supervisor(plan, envs, router, None, host, policy=_BETWEEN)
+        #: The loop's run now going on: a task's, or the time between tasks (``_begin``).
+        self.run: Run = self.loop.current
         self.task_count = 0
         self._marks = _TaskMarks()
         #: Why the ranks were stopped, once they were (the session's state is gone).
@@ -118,7 +120,7 @@ class SessionSupervisor:
         #: How many times the default group was formed again (``_release``): its store prefix.
         self._generation = 0
         #: Reports accumulate over the session's tasks (``result.reports`` holds them all).
-        self._reports = self.loop.current.reports
+        self._reports = self.run.reports
 
     # ----------------------------------------------------------------- life
     def start(self) -> None:
@@ -127,7 +129,7 @@ class SessionSupervisor:
         try:
             self.loop.start_and_watch()
             self.loop.result()  # raises if a rank could not start
-            self.loop.current.router.finish()
+            self.run.router.finish()
         except BaseException:
             self.close()
             raise
@@ -140,7 +142,7 @@ class SessionSupervisor:
         observer: Observer | None = None,
     ) -> None:
         """A fresh run of the loop (and fresh marks) over ``ranks``; the reports carry on."""
-        self.loop.begin_run(ranks, router, policy, self._reports, observer)
+        self.run = self.loop.begin_run(ranks, router, policy, self._reports, observer)
         self._marks = _TaskMarks()
 
     def close(self) -> None:
@@ -151,7 +153,7 @@ class SessionSupervisor:
         for rank in self.ranks:
             if rank.commands is not None and not rank.commands.closed:
                 rank.commands.close()  # EOF: the rank's loop ends
-        self._begin(self.ranks, self.loop.current.router, _BETWEEN)
+        self._begin(self.ranks, self.run.router, _BETWEEN)
         self.loop.read_until(lambda: not any(rank.alive for rank in self.ranks), CLOSE_GRACE)
         for rank in self.ranks:
             rank.kill()
@@ -221,7 +223,7 @@ class SessionSupervisor:
         self.task_count += 1
         self._freed = ""
         try:
-            for rank in self.loop.current.ranks:
+            for rank in self.run.ranks:
                 rank.begin_task()
                 self.loop.set_status(rank, "running")
                 rank.task_sent(command_for(rank))
@@ -233,7 +235,7 @@ class SessionSupervisor:
             if timed_out:
                 raise self._task_timeout(timeout or 0.0)
             self.loop.read(0.0)  # output written just before the last Idle
-            for rank in self.loop.current.ranks:
+            for rank in self.run.ranks:
                 for kind, splitter in rank.splitters.items():
                     router.lines(rank.index, kind, splitter.flush())
             return self.loop.result()
@@ -254,9 +256,7 @@ class SessionSupervisor:
     def _on_task_failure(self) -> None:
         """A task's policy: a dead rank ends the session; a failed one gets the others
         interrupted, and a rank no interrupt reaches ends the session."""
-        dead = [
-            rank for rank in self.loop.current.ranks if not rank.alive and not rank.stop_requested
-        ]
+        dead = [rank for rank in self.run.ranks if not rank.alive and not rank.stop_requested]
         if dead and self.lost is None:
             who = dead[0]
             self.lost = Lost(
@@ -266,16 +266,14 @@ class SessionSupervisor:
             )
             self.loop.stop_for_failure()
             return
-        failed = any(rank.failure is not None for rank in self.loop.current.ranks)
+        failed = any(rank.failure is not None for rank in self.run.ranks)
         if not failed or self.lost is not None:
             return
-        now = time.monotonic() - self.loop.current.paused_for  # the task's clock
+        now = time.monotonic() - self.run.paused_for  # the task's clock
         if self._marks.failed_at is None:
             self._marks.failed_at = now
         # The failed rank itself is finishing (its Idle, or its post-mortem) on its own.
-        running = [
-            rank for rank in self.loop.current.ranks if not rank.finished and rank.failure is None
-        ]
+        running = [rank for rank in self.run.ranks if not rank.finished and rank.failure is None]
         phase = _watchdogs.after_failure(self._marks.failed_at, now)
         if running and phase == "interrupt":
             self._interrupt(running)
@@ -375,7 +373,7 @@ class SessionSupervisor:
     def _check_skipped_collective(self) -> None:
         """End the cell when the counts prove a deadlock (``_diagnosis.skipped_collective``)
         that has looked the same for ``DEADLOCK_SETTLE`` s: no rank can leave it."""
-        run = self.loop.current
+        run = self.run
         if self.lost is not None or run.failure_seen or self._marks.failed_at is not None:
             return
         if any(rank.failure is not None for rank in run.ranks):
@@ -443,9 +441,7 @@ class SessionSupervisor:
 
     def _settle_interrupted(self) -> list[Rank]:
         """Interrupt the running ranks and wait for them; those that did not stop."""
-        return self._settle(
-            [rank for rank in self.loop.current.ranks if not rank.finished and rank.alive]
-        )
+        return self._settle([rank for rank in self.run.ranks if not rank.finished and rank.alive])
 
     def _settle(self, running: list[Rank]) -> list[Rank]:
         """Interrupt ``running`` and wait until each is idle again; those that are not."""
@@ -462,8 +458,8 @@ class SessionSupervisor:
         try:
             stuck = self._settle_interrupted()
         except KeyboardInterrupt:  # a second interrupt: no more waiting
-            stuck = [rank for rank in self.loop.current.ranks if not rank.finished]
-        ranks = ", ".join(str(rank.outcome.rank) for rank in self.loop.current.ranks)
+            stuck = [rank for rank in self.run.ranks if not rank.finished]
+        ranks = ", ".join(str(rank.outcome.rank) for rank in self.run.ranks)
         if stuck:
             names = ", ".join(str(rank.outcome.rank) for rank in stuck)
             self._free_or_stop(
@@ -483,7 +479,7 @@ class SessionSupervisor:
         return LaunchInterrupted(text)
 
     def _task_timeout(self, timeout: float) -> LaunchTimeoutError:
-        live = [rank for rank in self.loop.current.ranks if rank.alive and not rank.finished]
+        live = [rank for rank in self.run.ranks if rank.alive and not rank.finished]
         frames = self.loop.stacks(live)
         text, stacks = _diagnosis.timeout_report(
             timeout, self.loop.stuck_views(live, frames), "cell"
@@ -498,7 +494,7 @@ class SessionSupervisor:
                 "session was restarted with fresh ranks and every rank's state was lost.",
             )
         text += "\n\n" + self._note()
-        outcomes = [rank.outcome for rank in self.loop.current.ranks]
+        outcomes = [rank.outcome for rank in self.run.ranks]
         error = LaunchTimeoutError(text, timeout, stacks, outcomes, self.loop.logs())
         return self.loop.with_reports(error)
 

@@ -8,7 +8,7 @@ and must not import torch itself). Only CUDA (or ROCm) builds are wrapped; CPU b
 poison fork.
 
 Only a process that may launch needs it: ``import nb_dist`` starts it outside a rank
-(``_kernel/_at_import.py``), and a process that never launches stops it first thing (a rank
+(``nb_dist/_at_import.py``), and a process that never launches stops it first thing (a rank
 at its entry, a node's agent, the fork server ranks are forked from), so none of them hooks
 torch's import or records anything. It lives in ``_shared`` because all of these call it.
 """

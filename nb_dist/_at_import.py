@@ -7,10 +7,10 @@ kernel's in a rank:
 - the silent ``nb_dist`` logger (a ``NullHandler``: what users need not see goes there);
 - ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` (unless set): ``torch.cuda.is_available()`` in a cell
   asks NVML instead of initializing CUDA, so it does not poison later forks;
-- the CUDA-touch recorder (``_cuda_touches.py``), when torch is imported;
+- the CUDA-touch recorder (``_shared/_cuda_touches.py``), when torch is imported;
 - in an IPython shell only: cells named as IPython 8 names them on IPython 7 (``Cell In[5]``
   in tracebacks and hang reports), and in a Jupyter kernel the warm imports of a first DDP
-  cell in the background (``_warm.py``; ``NB_DIST_WARM_IMPORTS=0``: off).
+  cell in the background (``_kernel/_warm.py``; ``NB_DIST_WARM_IMPORTS=0``: off).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import logging
 import os
 import sys
 
-from .._shared._env import RANK_ENV_FLAG
+from ._shared._env import RANK_ENV_FLAG
 
 
 def prepare() -> None:
@@ -28,13 +28,14 @@ def prepare() -> None:
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     if RANK_ENV_FLAG in os.environ:
         return  # a rank: nothing of the kernel's
-    from .._shared import _cuda_touches
+    from ._shared import _cuda_touches
 
     _cuda_touches.record()
     if sys.modules.get("IPython") is None:
         return  # no shell here (a script, a node agent)
-    from ._tracebacks import follow_cell_names
-    from ._warm import prefetch_at_import
+    # The kernel's side, imported only in a shell: a rank or a node agent never loads it.
+    from ._kernel._tracebacks import follow_cell_names
+    from ._kernel._warm import prefetch_at_import
 
     follow_cell_names()
     prefetch_at_import()

@@ -1,0 +1,123 @@
+"""The rules every transport's plan is finished by (``_plan.place``), and the cluster's own
+decision (``_cluster/_remote_run.decide``), read from the plans they make: nothing launches,
+and no Ray is needed (the cluster's gang is a stand-in with what the decision reads of one)."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import pytest
+
+from nb_dist._cluster import _remote_run
+from nb_dist._kernel._options import LaunchOptions
+from nb_dist._kernel._plan import LaunchPlan, Where, check_arguments, place
+from nb_dist._shared import _shipping
+
+#: Unit tests and quick launches: all in the fast lane (python -m pytest -m fast).
+pytestmark = pytest.mark.fast
+
+
+def _square(x: int) -> int:
+    return x * x
+
+
+def _checked(**options: object) -> LaunchPlan:
+    return check_arguments(_square, (3,), LaunchOptions(**options))  # type: ignore[arg-type]
+
+
+def _where(**changes: object) -> Where:
+    here = Where(
+        ranks=(0, 1), world_size=2, num_nodes=1, use_gpu=False, cores_per_rank=3,
+        instead_of_fork=None, auto_rendezvous=7.0,
+    )  # fmt: skip
+    return dataclasses.replace(here, **changes)  # type: ignore[arg-type]
+
+
+def test_fork_stays_fork_where_the_starter_can_fork_and_nothing_is_shipped():
+    plan = place(_checked(num_processes=2, threads_per_process=1), _where())
+    assert (plan.start_method, plan.payload, plan.threads) == ("fork", None, 1)
+    assert (plan.ranks, plan.world_size, plan.num_nodes) == ((0, 1), 2, 1)
+
+
+def test_fork_becomes_what_the_transport_says_and_the_function_goes_by_value():
+    plan = place(_checked(num_processes=2), _where(instead_of_fork="forkserver"))
+    assert plan.start_method == "forkserver" and not plan.warm_imports
+    function, args = _shipping.loads(plan.payload or b"")
+    assert function(*args) == 9
+
+
+def test_threads_are_the_callers_then_omp_num_threads_then_the_cores_each_rank_has(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    where = _where(instead_of_fork="spawn", cores_per_rank=3)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert place(_checked(num_processes=2, threads_per_process=2), where).threads == 2
+    assert place(_checked(num_processes=2), where).threads == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")
+    assert place(_checked(num_processes=2), where).threads == 5
+    no_cores = dataclasses.replace(where, cores_per_rank=0)
+    assert place(_checked(num_processes=2), no_cores).threads == 5
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert place(_checked(num_processes=2), no_cores).threads == 1  # at least one
+
+
+@pytest.mark.parametrize(
+    ("options", "limit"),
+    [
+        ({}, 7.0),  # "auto": the transport's own
+        ({"rendezvous_timeout": 5}, 5.0),
+        ({"rendezvous_timeout": None}, None),  # no limit, as asked
+        ({"rdzv_conf": {"timeout": 9}}, 9.0),  # Accelerate's way of saying it
+    ],
+)
+def test_the_rendezvous_timeout_is_the_transports_only_where_auto_was_left(options, limit):
+    assert place(_checked(num_processes=2, **options), _where()).rendezvous_timeout == limit
+
+
+class _Gang:
+    """What the cluster's decision reads of the nodes it reserves."""
+
+    layout = types.SimpleNamespace(num_nodes=2)
+    threads_per_rank = 4
+
+    def describe(self) -> str:
+        return "2 node(s) (10.0.0.1, 10.0.0.2)"
+
+
+def test_a_cluster_plan_spans_its_nodes_with_forkserver_and_its_own_rendezvous_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    reserved: list[tuple[int, str]] = []
+
+    def gang_for(nprocs: int, method: str) -> _Gang:
+        reserved.append((nprocs, method))
+        return _Gang()
+
+    plan = _remote_run.decide(gang_for, _checked(num_processes=4), False)  # type: ignore[arg-type]
+    assert reserved == [(4, "forkserver")]
+    assert (plan.ranks, plan.world_size, plan.num_nodes) == ((0, 1, 2, 3), 4, 2)
+    assert (plan.start_method, plan.threads) == ("forkserver", 4)
+    assert plan.rendezvous_timeout == _remote_run.CLUSTER_RENDEZVOUS
+    assert plan.payload is not None and not plan.warm_imports
+    assert any(n.startswith("shipped _square() with") for n in plan.notices), plan.notices
+
+
+@pytest.mark.parametrize(
+    ("options", "says"),
+    [
+        ({"num_processes": None}, "on a cluster say how many ranks to start"),
+        ({"num_processes": 2, "use_port": "29600"}, "use_port place a launch by hand"),
+    ],
+)
+def test_what_a_cluster_cannot_do_is_refused_before_nodes_are_reserved(options, says):
+    reserved: list[tuple[int, str]] = []
+
+    def gang_for(nprocs: int, method: str) -> _Gang:
+        reserved.append((nprocs, method))
+        return _Gang()
+
+    with pytest.raises(ValueError, match=says):
+        _remote_run.decide(gang_for, _checked(**options), False)  # type: ignore[arg-type]
+    assert reserved == []
