@@ -25,14 +25,18 @@ from nb_dist._shared import _protocol
 pytestmark = pytest.mark.fast
 
 
-def test_layout_groups_ranks_by_node_id_not_by_address():
-    # Three agents, two of them on one node (PACK may do that): local ranks run across them.
+def test_layout_numbers_ranks_node_by_node_as_torchrun_does():
+    # Three agents, two of them on one node (SPREAD with more bundles than nodes, or PACK):
+    # a node's ranks are consecutive (device meshes and hybrid sharding group them so), and
+    # its local ranks run across its agents.
     lay = layout(["node-a", "node-b", "node-a"], [2, 1, 2])
-    assert lay.node_rank == (0, 0, 1, 0, 0)
-    assert lay.local_rank == (0, 1, 0, 2, 3)
-    assert lay.local_world_size == (4, 4, 1, 4, 4)
+    assert lay.node_rank == (0, 0, 0, 0, 1)
+    assert lay.local_rank == (0, 1, 2, 3, 0)
+    assert lay.local_world_size == (4, 4, 4, 4, 1)
     assert lay.num_nodes == 2
-    assert lay.agent == (0, 0, 1, 2, 2) and lay.position == (0, 1, 0, 0, 1)
+    assert lay.agent == (0, 0, 2, 2, 1) and lay.position == (0, 1, 0, 1, 0)
+    # One rank per agent, nodes interleaved: still node by node.
+    assert layout(["A", "B", "A"], [1, 1, 1]).node_rank == (0, 0, 1)
 
 
 def test_times_from_another_machine_are_put_on_the_kernels_clock():

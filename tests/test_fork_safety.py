@@ -107,3 +107,32 @@ def test_a_warm_import_that_does_not_finish_is_given_up_on_not_waited_for(slow_m
     assert not _warm.enabled(True)
     notice = _warm.take_notice()
     assert notice is not None and name in notice and "did not finish" in notice
+
+
+def _square(x: int) -> int:
+    return x * x
+
+
+def test_the_off_notice_goes_to_the_first_fork_launch_that_is_not_refused(slow_module):
+    """Warm relaunches switched off are said once, by a fork launch that asked for them:
+    not used up by a launch refused before it starts, nor by a spawn launch."""
+    from nb_dist._kernel._local import decide_here
+    from nb_dist._kernel._options import LaunchOptions
+    from nb_dist._kernel._plan import check_arguments
+
+    name, folder = slow_module
+    _warm.schedule([name])
+    _wait_for(folder / "started")
+    assert _warm.wait(limit=0.3) >= 0.3  # warming is off now, with a notice to give
+
+    def decided(args: tuple, **options: object):
+        asked = LaunchOptions(num_processes=2, device="cpu", threads_per_process=1, **options)
+        return decide_here(check_arguments(_square, args, asked))
+
+    with pytest.raises(TypeError, match="must send the function and args"):
+        decided((threading.Lock(),), start_method="spawn")  # refused: does not pickle
+    spawned, forked, again = decided((3,), start_method="spawn"), decided((3,)), decided((3,))
+    said = [[n for n in plan.notices if "Warm relaunches are off" in n]
+            for plan in (spawned, forked, again)]  # fmt: skip
+    assert [len(s) for s in said] == [0, 1, 0], said
+    assert name in said[1][0]

@@ -584,6 +584,34 @@ def test_live_ranks_across_nodes_keep_their_state(cluster, capsys, tmp_path):
     assert_cluster_clean_of_ranks(pids)
 
 
+def _pipes_held() -> list[str]:
+    """The pipes this process holds open, by inode (``pipe:[N]``): fd numbers are reused."""
+    import os
+
+    found = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # the listing's own descriptor, closed by now
+            continue
+        if target.startswith("pipe:"):
+            found.add(target)
+    return sorted(found)
+
+
+def test_a_rank_forked_beside_live_cluster_ranks_holds_none_of_their_pipes(cluster):
+    """The kernel's ends of a cluster session's pipes (its ranks' readers and commands, the
+    ends the forwarder writes into) stay out of a rank forked here later: a copy would keep
+    them from EOF, and the session's ranks could not leave when it closes."""
+    before = set(_pipes_held())
+    with nb_dist.Ranks(num_processes=2, cluster=cluster) as ranks:
+        theirs = set(_pipes_held()) - before
+        assert theirs  # the session's pipes, forwarded into this kernel
+        local = nb_dist.notebook_launcher(_pipes_held, num_processes=2, start_method="fork")
+        assert [theirs & set(held) for held in local] == [set(), set()]
+        assert list(ranks.exec("1 + 1")) == [2, 2]
+
+
 def test_live_ranks_on_a_cluster_free_a_rank_blocked_in_a_skipped_collective(cluster):
     # Each node's agent reads its ranks' socket addresses; the idle rank shuts its
     # connections to them, so the blocked all_reduce fails and every rank keeps its state.

@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import multiprocessing
 import os
 import select
 import selectors
@@ -34,6 +35,7 @@ from multiprocessing.connection import Connection
 from typing import Any, NamedTuple
 
 from .._node._outbox import Batch
+from .._starter._run_parts import hold_out_of_forks
 
 #: How long one long poll waits on the node when nothing happens (also how stale the
 #: kernel's copy of a silent rank's collective counts can be).
@@ -290,7 +292,11 @@ class Forwarder:
     def __init__(self, ray: Any, links: list[AgentLink]) -> None:
         self.ray, self.links = ray, links
         self._stop = threading.Event()
-        self._wake_r, self._wake_w = os.pipe()
+        # Wakes the commands thread at stop; kept out of ranks forked here later, as every
+        # pipe end of the run is.
+        self._wake = multiprocessing.Pipe(duplex=False)
+        hold_out_of_forks(self._wake)
+        self._wake_r, self._wake_w = (end.fileno() for end in self._wake)
         self._threads = [
             threading.Thread(
                 target=self._poll, args=(link,), name=f"nb_dist-cluster-poll-{number}",
@@ -319,8 +325,8 @@ class Forwarder:
                 _log.warning("%s still waits on its agent after the run ended", thread.name)
         for link in self.links:
             link.close()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        for end in self._wake:
+            end.close()
 
     def _poll(self, link: AgentLink) -> None:
         try:

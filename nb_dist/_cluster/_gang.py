@@ -61,14 +61,19 @@ class Layout:
 
 
 def layout(node_ids: Sequence[str], counts: Sequence[int]) -> Layout:
-    """Ranks in agent order (``counts[i]`` on agent ``i`` at ``node_ids[i]``); node ranks by
-    node id in order of first appearance, local ranks numbered across a node's agents."""
+    """Ranks numbered node by node, as torchrun numbers them (``counts[i]`` ranks on agent
+    ``i`` at ``node_ids[i]``): nodes in order of first appearance, a node's agents in their
+    order, so each node's ranks are consecutive (``init_device_mesh`` and hybrid sharding
+    group ranks on that) and local ranks count across a node's agents."""
     nodes: dict[str, int] = {}
+    for node_id in node_ids:
+        nodes.setdefault(node_id, len(nodes))
+    order = sorted(range(len(node_ids)), key=lambda i: nodes[node_ids[i]])  # stable
     agent, position, node_rank, local_rank = [], [], [], []
     per_node: dict[int, int] = {}
-    for index, (node_id, count) in enumerate(zip(node_ids, counts, strict=True)):
-        number = nodes.setdefault(node_id, len(nodes))
-        for place in range(count):
+    for index in order:
+        number = nodes[node_ids[index]]
+        for place in range(counts[index]):
             agent.append(index)
             position.append(place)
             node_rank.append(number)

@@ -27,7 +27,7 @@ from .._kernel._rank_handle import Rank
 from .._kernel._run_setup import rank_env
 from .._shared import _protocol, _shipping
 from .._shared._protocol import COLLECTIVES_ENV
-from .._starter._run_parts import scratch_folder, widen
+from .._starter._run_parts import hold_out_of_forks, scratch_folder, widen
 from ._forward import Forwarder, OnLost
 from ._gang import Gang
 
@@ -224,6 +224,10 @@ class ClusterHost:
             )  # fmt: skip
             for index, (rank, process) in enumerate(zip(ranks, processes, strict=True)):
                 rank.attach(process, self._gang.clock_offsets[lay.agent[index]])
+            # This kernel's ends of these pipes stay out of any rank it forks later (a local
+            # launch or session beside this one): a copy would keep them from EOF.
+            hold_out_of_forks([*(c for rank in ranks for c in rank.kernel_ends()),
+                               *(c for ends in theirs for c in ends.values())])  # fmt: skip
         except BaseException:
             # A start the gang refused was ended on every agent there (Gang.start).
             self._run_ended = self._forwarder is None

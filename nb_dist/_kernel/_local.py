@@ -18,15 +18,15 @@ ends, the lifeline's and the gate's write ends), or EOF would never come.
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
-import weakref
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 from .._rank._spec import RankSpec
 from .._starter import _processes
-from .._starter._run_parts import gated_start
+from .._starter._run_parts import gated_start, held_fds, hold_out_of_forks
 from . import _openmp, _plan, _ports, _preflight, _warm
 from ._plan import LaunchPlan
 from ._rank_handle import Rank
@@ -34,15 +34,6 @@ from ._run_setup import RunSetup
 
 #: Builds one rank's spec from its local rank and the kernel-side fds it must close.
 SpecFor = Callable[[int, list[int]], RankSpec]
-
-#: Pipe ends the kernel holds for ranks that may outlive their start (live ranks, a rank kept
-#: for a post-mortem). A rank forked later closes them too: a copy in another process would
-#: keep a closed ``commands`` pipe or a lifeline from ever reaching EOF.
-_kernel_ends: weakref.WeakSet[Connection] = weakref.WeakSet()
-
-
-def _other_kernel_ends() -> list[int]:
-    return [conn.fileno() for conn in list(_kernel_ends) if not conn.closed]
 
 
 def start_all(method: str, ranks: list[Rank], spec_for: SpecFor) -> Connection:
@@ -58,13 +49,13 @@ def start_all(method: str, ranks: list[Rank], spec_for: SpecFor) -> Connection:
             rank.kill()
 
     with gated_start(kill_started) as gate:
-        kernel_ends = [*gate.starter_fds(), *_other_kernel_ends()]
+        kernel_ends = [*gate.starter_fds(), *held_fds()]
         for rank in ranks:
             theirs = rank.open_pipes()
             kernel_fds = [c.fileno() for r in ranks for c in r.kernel_ends()] + kernel_ends
             spec = spec_for(rank.index, kernel_fds)
             rank.attach(_processes.start_on_pipes(method, spec, theirs, gate, context))
-    _kernel_ends.update([gate.lifeline, *(c for rank in ranks for c in rank.kernel_ends())])
+    hold_out_of_forks([gate.lifeline, *(c for rank in ranks for c in rank.kernel_ends())])
     return gate.lifeline
 
 
@@ -124,10 +115,13 @@ def decide_here(plan: LaunchPlan) -> LaunchPlan:
         # e.g. Windows: no fork; spawn ships the function with cloudpickle
         instead_of_fork=None if "fork" in multiprocessing.get_all_start_methods() else "spawn",
         auto_rendezvous=RENDEZVOUS_TIMEOUT if plan.num_nodes == 1 else _MULTI_NODE_RENDEZVOUS,
-        # This kernel's warm relaunches were switched off: said once, at a launch here.
-        notices=tuple(n for n in (device_notice, _warm.take_notice()) if n),
+        notices=(device_notice,) if device_notice else (),
     )
-    return _plan.place(plan, here)
+    placed = _plan.place(plan, here)
+    # Warm relaunches were switched off in this kernel: said once, by the first fork launch
+    # that asked for them and was not refused (a refusal or a spawn launch keeps it).
+    notice = _warm.take_notice() if plan.warm_imports and placed.start_method == "fork" else None
+    return dataclasses.replace(placed, notices=(*placed.notices, notice)) if notice else placed
 
 
 def _devices(device: str, num_processes: int | None, method: str) -> tuple[bool, int, str | None]:

@@ -25,7 +25,8 @@ import multiprocessing
 import os
 import socket
 import tempfile
-from collections.abc import Callable, Iterator
+import weakref
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -106,6 +107,24 @@ def rank_files(folder: str, rank: int) -> dict[str, str]:
         "TORCHELASTIC_ERROR_FILE": os.path.join(own, "error.json"),
         COLLECTIVES_ENV: _collectives.create(own, rank),
     }
+
+
+#: Pipe ends this process holds for ranks that may outlive their start (live ranks, a rank
+#: kept for a post-mortem, a cluster's ranks whose pipes are forwarded here). A rank forked
+#: later closes them: a copy in another process would keep a closed ``commands`` pipe, a
+#: forwarded output pipe or a lifeline from ever reaching EOF.
+_held: weakref.WeakSet[Connection] = weakref.WeakSet()
+
+
+def hold_out_of_forks(conns: Iterable[Connection]) -> None:
+    """Keep ``conns`` out of every rank forked from now on (see :data:`_held`)."""
+    _held.update(conns)
+
+
+def held_fds() -> list[int]:
+    """The descriptors a rank forked now must close: the open ends kept by
+    :func:`hold_out_of_forks`."""
+    return [conn.fileno() for conn in list(_held) if not conn.closed]
 
 
 def widen(conn: Connection, size: int = 1 << 20) -> None:
