@@ -19,7 +19,8 @@ class LaunchOptions:
 
     Defaults are the launcher's; ``tests/test_shared_rules.py`` keeps them equal to its
     signature. ``cluster=`` is not one of them: it says where the ranks run, the launch's
-    ``_transport.Transport``, which decides the plan from these options.
+    ``_transport.Transport``, which decides the plan checked from these options (and reads
+    the plan only).
     """
 
     num_processes: int | None = None

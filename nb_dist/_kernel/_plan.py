@@ -184,7 +184,8 @@ def check_arguments(
     function: Callable[..., Any], args: Sequence[Any], options: LaunchOptions
 ) -> LaunchPlan:
     """Steps 1 and 2: not inside a rank, then each argument on its own, in the order of the
-    signature. A plan whose ranks, devices, threads and payload :func:`decide` decides."""
+    signature; step 3, the combinations. A plan whose ranks, devices, threads and payload the
+    transport decides (``Transport.decide``, then :func:`place`)."""
     o = options
     _preflight.check_not_nested()
     _preflight.check_function(function)

@@ -76,9 +76,10 @@ class Rank:
         self.collectives = 0
 
     def begin_task(self) -> None:
-        """Forget the last task (a live rank): a fresh outcome, no value, no failure."""
+        """Forget the last task (a live rank): a fresh outcome, no value, no failure. Its
+        status is kept: only the supervisor's ``set_status`` changes a status."""
         self.outcome = RankOutcome(
-            rank=self.outcome.rank, local_rank=self.local_rank, status="starting",
+            rank=self.outcome.rank, local_rank=self.local_rank, status=self.outcome.status,
             pid=self.outcome.pid,
         )  # fmt: skip
         self.value, self.result, self.failure = None, None, None
