@@ -456,3 +456,25 @@ def test_the_install_cell_runs_pip_on_colab_and_on_kaggle(platform):
     cell = cell.replace("--quiet", "--dry-run --no-deps --no-build-isolation")
     done = _run_in_ipython(cell, **{platform: "1"})
     assert "Would install nb-dist" in done.stdout + done.stderr, done.stdout + done.stderr
+
+
+# ------------------------------------------------------------------- opening and recap
+TEACHING_NOTEBOOKS = sorted(NOTEBOOKS.glob("[0-9]*.ipynb"))
+#: The headings a notebook's recap (its last markdown cell) may use.
+RECAP_HEADINGS = ("## What you saw",)
+
+
+@pytest.mark.parametrize("path", TEACHING_NOTEBOOKS, ids=lambda p: p.stem)
+def test_every_teaching_notebook_opens_with_its_plan_and_ends_with_a_recap(path):
+    """The first two markdown cells hold the objectives, the prerequisites and the time in
+    minutes, as paragraphs in that order; the last markdown cell is the recap."""
+    markdown = ["".join(c["source"]) for c in json.loads(path.read_text())["cells"]
+                if c["cell_type"] == "markdown"]  # fmt: skip
+    opening = "\n\n".join(markdown[:2])
+    starts = [re.search(rf"^\*\*{name}\.\*\* \S", opening, re.MULTILINE)
+              for name in ("Objectives", "Prerequisites", "Time")]  # fmt: skip
+    assert all(starts), f"{path.name}: objectives, prerequisites or time missing"
+    assert [m.start() for m in starts] == sorted(m.start() for m in starts), path.name
+    assert re.search(r"^\*\*Time\.\*\* About \d+ minutes", opening, re.MULTILINE), path.name
+    headings = re.findall(r"^#+ .*$", markdown[-1], re.MULTILINE)
+    assert headings and headings[-1] in RECAP_HEADINGS, f"{path.name}: recap {headings[-1:]}"
