@@ -69,7 +69,7 @@ def test_binder_installs_what_the_notebooks_import():
     binder = (ROOT / "binder" / "requirements.txt").read_text()
     assert "accelerate" in binder
     # Imported under try/except: the notebook says how to get them. Ray's local 2-node
-    # cluster (notebook 06, section 5) needs more memory than Binder gives a notebook.
+    # cluster (notebook 07, section 5) needs more memory than Binder gives a notebook.
     optional = {"transformers", "ray"}
     for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
         cells = json.loads(path.read_text())["cells"]

@@ -56,7 +56,7 @@ def _walk_exercise(kc, exercise: Exercise, check: str) -> None:
 @pytest.mark.parametrize("notebook", WITH_EXERCISES, ids=lambda p: p.stem)
 def test_every_exercise_fails_when_wrong_passes_with_the_key(notebook, kernels, tmp_path):
     # The kernel runs in tmp_path; a notebook finds the repository's files from its folder
-    # (notebook 09 reads bench/results), also where nb_dist is installed from a wheel.
+    # (notebook 10 reads bench/results), also where nb_dist is installed from a wheel.
     (tmp_path / "bench").symlink_to(NOTEBOOKS.parent / "bench", target_is_directory=True)
     solutions = json.loads(notebook.read_text())
     found = {e.index: e for e in exercises(solutions, notebook.name)}

@@ -7,7 +7,7 @@ the PyTorch DDP tutorial series' ``main`` (``destroy_process_group()`` while a `
 still holds the DDP model; 4 of 32 runs hung; 30 launches in a row here), the same with the
 model in a global, returning the DDP model after ``destroy_process_group()`` (a clear
 ``UnpicklableResultError``, never a hang), and
-notebook 07's PowerSGD hook ("Resource deadlock avoided", SIGABRT, about 1 run in 4). Each runs
+notebook 08's PowerSGD hook ("Resource deadlock avoided", SIGABRT, about 1 run in 4). Each runs
 many times in a row in one fresh process; one hang or abort fails the test.
 """
 

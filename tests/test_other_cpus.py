@@ -3,7 +3,7 @@
 CI lands on whatever machine is at hand. float32 sums taken in another order (AVX-512 or AVX2
 or scalar kernels, another GEMM code path, more intra-op threads) differ in their last digits,
 so a comparison in the kit that is exact where it should have a tolerance prints ``False`` on
-the next machine (notebook 14 did, on an AVX-512 Xeon). Here every notebook of the solutions
+the next machine (notebook 15 did, on an AVX-512 Xeon). Here every notebook of the solutions
 edition runs again under nbval with other kernels than this machine picks by itself:
 
 - ``ATEN_CPU_CAPABILITY=default``: torch's scalar kernels instead of AVX2/AVX-512;

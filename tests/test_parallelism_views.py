@@ -1,4 +1,4 @@
-"""The views of notebooks 13, 15 and 17 against the notebooks' own formulas, and their wiring.
+"""The views of notebooks 13, 16 and 18 against the notebooks' own formulas, and their wiring.
 
 The pure functions (:func:`memory_per_rank`, :func:`tp_collectives`, :func:`tp_block_bytes`,
 :func:`online_softmax_steps`) are compared at several points with the functions and formulas
@@ -133,14 +133,14 @@ def test_memory_explorer_follows_its_traits_and_controls():
     assert view._repr_mimebundle_() == {"text/plain": repr(view)}  # no kernel here
 
 
-# ---------------------------------------------------------------- notebook 15: f, g, SP
+# ---------------------------------------------------------------- notebook 16: f, g, SP
 
-NB15 = "15_tensor_parallelism.ipynb"
+NB16 = "16_tensor_parallelism.ipynb"
 
 
 @pytest.mark.parametrize(("b", "s", "h", "t"), [(8, 32, 64, 2), (8, 32, 64, 4), (2, 4096, 4096, 8)])
-def test_tp_bytes_are_notebook_15s_formulas(b, s, h, t):
-    ring_bytes = notebook_function(NB15, "ring_bytes")
+def test_tp_bytes_are_notebook_16s_formulas(b, s, h, t):
+    ring_bytes = notebook_function(NB16, "ring_bytes")
     big = 4 * b * s * h
     formulas = {
         "TP": 8 * (t - 1) / t * big,
@@ -158,9 +158,9 @@ def test_tp_bytes_are_notebook_15s_formulas(b, s, h, t):
         assert per_part == pytest.approx(formula / 2, rel=1e-12)
 
 
-def test_tp_collectives_are_what_notebook_15_logged():
-    """The names and buffers, in order, as notebook 15's collective log recorded them."""
-    logged = stored_output(NB15, "show_collectives(tp_runs")
+def test_tp_collectives_are_what_notebook_16_logged():
+    """The names and buffers, in order, as notebook 16's collective log recorded them."""
+    logged = stored_output(NB16, "show_collectives(tp_runs")
     short = {"all-reduce": "AR", "all-gather": "AG", "reduce-scatter": "RS"}
     for mode, version in (("TP", "TP, ours"), ("TP + SP", "SP, ours")):
         block = logged.split(version + " (")[1].split("\n", 1)[1]
@@ -205,7 +205,7 @@ def test_tensor_parallel_view_follows_its_traits_and_controls():
         tp_collectives("embedding", "TP", 1, 1, 1, 1)
 
 
-# ---------------------------------------------------------------- notebook 17: online softmax
+# ---------------------------------------------------------------- notebook 18: online softmax
 
 
 def scores_and_values(s=64, d=8, scale=1.0, seed=0):
@@ -228,10 +228,10 @@ def test_online_softmax_steps_end_at_the_softmax(block, scale):
     assert all(math.isfinite(st.den) for st in steps)  # scores x30: no overflow
 
 
-def test_online_softmax_uses_notebook_17s_block_state():
+def test_online_softmax_uses_notebook_18s_block_state():
     """Each block's (m, den, acc) as the notebook's ``block_attention`` computes it."""
     block_attention = notebook_function(
-        "17_context_parallelism.ipynb", "block_attention", math=math, torch=torch
+        "18_context_parallelism.ipynb", "block_attention", math=math, torch=torch
     )
     x, v = scores_and_values()
     q, k = x[None, :], torch.eye(64)  # q kᵀ/√64 = x/8: scale the scores back up

@@ -334,7 +334,7 @@ def test_the_reference_implementations_are_the_exercises_answers():
                                              ("B", 1), ("F", 4), ("B", 2), ("F", 5), ("B", 3),
                                              ("B", 4), ("B", 5)]  # fmt: skip
     assert reference.torch_1f1b(2, 1, 0) == [("F", 0), ("B", 0)]
-    # notebook 16, exercise 16-3 (the interleaved forwards) and the order built from them
+    # notebook 17, exercise 17-3 (the interleaved forwards) and the order built from them
     forwards = reference.interleaved_forwards(2, 2, 4, 1)
     assert forwards == [(1, 0), (1, 1), (3, 0), (3, 1), (1, 2), (1, 3), (3, 2), (3, 3)]
     assert reference.interleaved_forwards(4, 1, 4, 2) == [(2, 0), (2, 1), (2, 2), (2, 3)]
@@ -346,7 +346,7 @@ def test_the_reference_implementations_are_the_exercises_answers():
             order = reference.interleaved_1f1b(p, v, m, r)
             expected = {(s, j) for s in range(r, v * p, p) for j in range(m)}
             assert sorted(order) == sorted({(k, s, j) for k in "FB" for s, j in expected})
-    # notebook 18, exercises 18-4 (a 2-D shard) and 18-5 (a pp group)
+    # notebook 19, exercises 19-4 (a 2-D shard) and 19-5 (a pp group)
     import torch
 
     full = torch.arange(8 * 4).reshape(8, 4)
@@ -354,13 +354,13 @@ def test_the_reference_implementations_are_the_exercises_answers():
     assert torch.equal(reference.fsdp_tp_shard(full, 1, 1, 1, 2, 2), full[4:, 2:])
     assert reference.pp_group_ranks(6, 2, 2, 2) == [2, 6]
     assert reference.pp_group_ranks(5, 4, 1, 2) == [1, 3, 5, 7]
-    # notebook 21, exercise 21-1: nested compute, overlapping comm, and the check's cases
+    # notebook 22, exercise 22-1: nested compute, overlapping comm, and the check's cases
     assert reference.exposed_time([(0, 4), (1, 2), (6, 8)], [(3, 7), (5, 9)]) == 3
     assert reference.exposed_time([(0, 4), (1, 3)], [(2, 6)]) == 2
     assert reference.exposed_time([(0, 10)], [(2, 5)]) == 0
     assert reference.exposed_time([(0, 2), (5, 6)], [(1, 8)]) == 5
     assert reference.exposed_time([], [(1, 3), (2, 4)]) == 3
-    # notebook 20, exercise 20-2: the newest complete checkpoint (numbers, not strings)
+    # notebook 21, exercise 21-2: the newest complete checkpoint (numbers, not strings)
     import tempfile
     from pathlib import Path
 
@@ -374,7 +374,7 @@ def test_the_reference_implementations_are_the_exercises_answers():
                 (run / f"step_{n}" / ".metadata").touch()
         assert reference.latest_checkpoint(run) == run / "step_10"
 
-    def ulysses_all_to_alls():  # notebook 17, exercise 17-4 and its inverse, on each rank
+    def ulysses_all_to_alls():  # notebook 18, exercise 18-4 and its inverse, on each rank
         import torch
         import torch.distributed as dist
 

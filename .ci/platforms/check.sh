@@ -52,7 +52,7 @@ echo "   platform installed: $((SECONDS - started)) s"
 # A user's `pip install nb_dist` (here from this tree, not editable).
 "$py" -m pip install --quiet .
 "$py" .ci/platforms/unchanged.py "$scratch/platform.txt" --after "pip install nb_dist"
-# The test tools the platform does not ship, and Ray (notebook 06 starts a Ray cluster; users
+# The test tools the platform does not ship, and Ray (notebook 07 starts a Ray cluster; users
 # add it with nb-dist[ray]), at versions that fit the platform's packages.
 "$py" -m pip install --quiet -c "$profile" "pytest-timeout>=2.2" "nbval>=0.11" "ray>=2.9"
 "$py" .ci/platforms/unchanged.py "$scratch/platform.txt" --after "installing the test tools and Ray"

@@ -41,7 +41,7 @@ ROOTS = [
     "cloudpickle",
     "psutil",
     "accelerate",
-    "transformers",  # notebook 08 runs a Trainer where it is installed
+    "transformers",  # notebook 09 runs a Trainer where it is installed
     "pytest",
     "nbformat",
     "nbclient",

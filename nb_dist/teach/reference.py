@@ -24,7 +24,7 @@ def block_activations(b: int, s: int, h: int, a: int) -> int:
 
 
 def torch_1f1b(p: int, m: int, rank: int) -> Order:
-    """Notebook 16, after exercise 16-2: the 1F1B order of stage ``rank`` of ``p`` for ``m``
+    """Notebook 17, after exercise 17-2: the 1F1B order of stage ``rank`` of ``p`` for ``m``
     microbatches, in the form of PyTorch's ``Schedule1F1B`` (``p - rank`` forwards, then
     pairs of one backward and one forward, then the backwards left)."""
     first = min(p - rank, m)
@@ -35,7 +35,7 @@ def torch_1f1b(p: int, m: int, rank: int) -> Order:
 
 
 def merge_blocks(a: tuple[Any, Any, Any], b: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
-    """Notebook 17, exercise 17-1: the ``(m, den, acc)`` of two blocks of keys together (the
+    """Notebook 18, exercise 18-1: the ``(m, den, acc)`` of two blocks of keys together (the
     online softmax), each block first brought to the larger of the two maxima."""
     import torch
 
@@ -47,7 +47,7 @@ def merge_blocks(a: tuple[Any, Any, Any], b: tuple[Any, Any, Any]) -> tuple[Any,
 
 
 def average_over_dp(model: Any, dp_group: Any) -> None:
-    """Notebook 18, exercise 18-2: every gradient of ``model`` replaced, in place, by its mean
+    """Notebook 19, exercise 19-2: every gradient of ``model`` replaced, in place, by its mean
     over the ranks of ``dp_group`` (an all-reduce on that group, not on the whole world)."""
     import torch.distributed as dist
 
@@ -58,7 +58,7 @@ def average_over_dp(model: Any, dp_group: Any) -> None:
 
 
 def moe_counts_per_rank(expert: Any, experts_per_rank: int, world_size: int) -> Any:
-    """Notebook 19, exercise 19-2: how many of the rows (each for ``expert``, experts placed on
+    """Notebook 20, exercise 20-2: how many of the rows (each for ``expert``, experts placed on
     the ranks in blocks of ``experts_per_rank``) go to each of the ``world_size`` ranks."""
     import torch
 
@@ -66,7 +66,7 @@ def moe_counts_per_rank(expert: Any, experts_per_rank: int, world_size: int) -> 
 
 
 def moe_combine(returned: Any, token: Any, gate: Any, n_tokens: int) -> Any:
-    """Notebook 19, exercise 19-3: the MoE layer's output, ``n_tokens`` rows: each token's
+    """Notebook 20, exercise 20-3: the MoE layer's output, ``n_tokens`` rows: each token's
     expert results (the rows of ``returned``) added up, each weighted by its gate."""
     import torch
 
@@ -75,7 +75,7 @@ def moe_combine(returned: Any, token: Any, gate: Any, n_tokens: int) -> Any:
 
 
 def ulysses_seq_to_heads(x: Any, group: Any = None) -> Any:
-    """Notebook 17, exercise 17-4: DeepSpeed-Ulysses' first all-to-all. ``x`` is this rank's
+    """Notebook 18, exercise 18-4: DeepSpeed-Ulysses' first all-to-all. ``x`` is this rank's
     ``(b, a, s/N, d)`` shard (its chunk of the sequence, every head); the result is
     ``(b, a/N, s, d)``: every token, in order, of this rank's ``a/N`` heads (rank ``r`` gets
     heads ``r·a/N`` to ``(r + 1)·a/N - 1``), ``N`` the size of ``group``."""
@@ -93,7 +93,7 @@ def ulysses_seq_to_heads(x: Any, group: Any = None) -> Any:
 
 
 def ulysses_heads_to_seq(x: Any, group: Any = None) -> Any:
-    """Notebook 17, after exercise 17-4: the inverse of :func:`ulysses_seq_to_heads`, the
+    """Notebook 18, after exercise 18-4: the inverse of :func:`ulysses_seq_to_heads`, the
     all-to-all after attention: ``(b, a/N, s, d)`` back to ``(b, a, s/N, d)``."""
     import torch
     import torch.distributed as dist
@@ -109,7 +109,7 @@ def ulysses_heads_to_seq(x: Any, group: Any = None) -> Any:
 
 
 def exposed_time(compute: list[tuple[float, float]], comm: list[tuple[float, float]]) -> float:
-    """Notebook 21, exercise 21-1: the time covered by some ``comm`` interval and by no
+    """Notebook 22, exercise 22-1: the time covered by some ``comm`` interval and by no
     ``compute`` interval (each a ``(start, end)``; either list may overlap or nest)."""
 
     def union(intervals: list[tuple[float, float]]) -> list[list[float]]:
@@ -129,21 +129,21 @@ def exposed_time(compute: list[tuple[float, float]], comm: list[tuple[float, flo
 
 
 def fsdp_tp_shard(full: Any, tp_dim: int, i: int, j: int, dp: int, tp: int) -> Any:
-    """Notebook 18, exercise 18-4: the part of the full weight ``full`` that rank ``(dp i,
+    """Notebook 19, exercise 19-4: the part of the full weight ``full`` that rank ``(dp i,
     tp j)`` holds under tensor parallelism on ``tp_dim`` then FSDP: tp's chunk ``j`` along
     ``tp_dim``, then FSDP's chunk ``i`` of it along dimension 0."""
     return full.chunk(tp, dim=tp_dim)[j].chunk(dp, dim=0)[i]
 
 
 def pp_group_ranks(rank: int, pp: int, dp: int, tp: int) -> list[int]:
-    """Notebook 18, exercise 18-5: the ranks of ``rank``'s pp group in a ``(pp, dp, tp)``
+    """Notebook 19, exercise 19-5: the ranks of ``rank``'s pp group in a ``(pp, dp, tp)``
     device mesh (row-major): one per stage, at the same ``(dp, tp)`` place as ``rank``."""
     per_stage = dp * tp
     return [stage * per_stage + rank % per_stage for stage in range(pp)]
 
 
 def interleaved_forwards(p: int, v: int, m: int, rank: int) -> list[tuple[int, int]]:
-    """Notebook 16, exercise 16-3: the ``(stage, microbatch)`` forwards that rank ``rank`` of
+    """Notebook 17, exercise 17-3: the ``(stage, microbatch)`` forwards that rank ``rank`` of
     ``p`` runs in Megatron's interleaved 1F1B with ``v`` stages per rank (stage ``s`` on rank
     ``s % p``): groups of ``p`` microbatches, in each group the rank's chunks one after the
     other, each for all the group's microbatches (``m`` a multiple of ``p``)."""
@@ -156,7 +156,7 @@ def interleaved_forwards(p: int, v: int, m: int, rank: int) -> list[tuple[int, i
 
 
 def interleaved_1f1b(p: int, v: int, m: int, rank: int) -> list[tuple[str, int, int]]:
-    """Notebook 16, after exercise 16-3: the interleaved 1F1B order of rank ``rank`` (actions
+    """Notebook 17, after exercise 17-3: the interleaved 1F1B order of rank ``rank`` (actions
     ``("F" | "B", stage, microbatch)``): ``(v - 1) * p + 2 * (p - 1 - rank)`` warm-up forwards
     (as PyTorch's ``ScheduleInterleaved1F1B``), then one forward and one backward at a time,
     then the backwards left; the backwards go in the forwards' order with the chunks
@@ -171,7 +171,7 @@ def interleaved_1f1b(p: int, v: int, m: int, rank: int) -> list[tuple[str, int, 
 
 
 def latest_checkpoint(run: Any) -> Any:
-    """Notebook 20, exercise 20-2: the ``step_<n>`` folder of ``run`` (a ``Path``) with the
+    """Notebook 21, exercise 21-2: the ``step_<n>`` folder of ``run`` (a ``Path``) with the
     largest ``n`` that is complete (holds DCP's ``.metadata``, written last), or ``None`` when
     there is none or ``run`` does not exist."""
     if not run.is_dir():

@@ -1,9 +1,9 @@
 """The online softmax, one block of keys at a time: the running ``m``, ``den`` and ``acc``.
 
 For one query with scores ``x_j`` against keys ``j`` and values ``v_j``, attention is
-``Σ_j e^{x_j} v_j / Σ_j e^{x_j}``. Notebook 17 builds it block by block: each block of keys gives
+``Σ_j e^{x_j} v_j / Σ_j e^{x_j}``. Notebook 18 builds it block by block: each block of keys gives
 its own maximum ``m``, ``den = Σ e^{x_j - m}`` and ``acc = Σ e^{x_j - m} v_j``, and a merge
-(notebook 17's exercise; ``nb_dist.teach.reference.merge_blocks``, which the notebook passes in)
+(notebook 18's exercise; ``nb_dist.teach.reference.merge_blocks``, which the notebook passes in)
 folds the blocks together, bringing both to the larger maximum first. After the last block,
 ``acc / den`` is the softmax over all the keys times the values. :func:`online_softmax_steps`
 records the state after each block; :class:`OnlineSoftmaxView` steps through them.
@@ -76,7 +76,7 @@ def online_softmax_steps(scores: Any, values: Any, block: int, merge: Merge) -> 
     """Fold the keys in, ``block`` at a time, with ``merge``: the state after each block.
 
     ``scores``: one query's ``s`` scores (``q kᵀ/√d``); ``values``: ``(s, d)``, one row per key;
-    ``merge``: notebook 17's online-softmax merge (``nb_dist.teach.reference.merge_blocks``).
+    ``merge``: notebook 18's online-softmax merge (``nb_dist.teach.reference.merge_blocks``).
     """
     import torch
 
@@ -118,7 +118,7 @@ class OnlineSoftmaxView(_WidgetView):
     Args:
         scores: one query's scores, one per key (a tensor or a list).
         values: the keys' values, ``(s, d)``.
-        merge: the merge of two blocks' ``(m, den, acc)`` (notebook 17: ``merge_blocks``).
+        merge: the merge of two blocks' ``(m, den, acc)`` (notebook 18: ``merge_blocks``).
         block (`int`): keys per block (default ``16``).
         step (`int`): blocks folded in so far (``0``: none; default ``1``).
 

@@ -1,6 +1,6 @@
 """Tensor parallelism's collectives in one sub-block: where ``f`` and ``g`` sit, what they move.
 
-Notebook 15 splits each sub-block of a transformer block (attention, MLP) over ``t`` ranks: a
+Notebook 16 splits each sub-block of a transformer block (attention, MLP) over ``t`` ranks: a
 column-parallel layer first (``q``, ``k``, ``v`` or ``fc1``: output features split), then a
 row-parallel one (``proj`` or ``fc2``: input features split, each rank a partial sum).
 
@@ -37,7 +37,7 @@ __all__ = ["Collective", "TensorParallelView", "tp_block_bytes", "tp_collectives
 
 PARTS = ("attention", "MLP")
 MODES = ("TP", "TP + SP")
-#: Notebook 15's colours of the three collectives.
+#: Notebook 16's colours of the three collectives.
 COLLECTIVE_COLORS = {
     "all-reduce": "#0072B2",
     "all-gather": "#009E73",
@@ -58,7 +58,7 @@ class Collective:
         name (`str`): ``"all-reduce"``, ``"all-gather"`` or ``"reduce-scatter"``.
         tensor (`str`): what it moves.
         buffer (`int`): bytes of its full buffer (the all-gather's output, the reduce-scatter's
-            input), as notebook 15's log counts them.
+            input), as notebook 16's log counts them.
         sent (`float`): bytes one rank sends when it runs as a ring on ``t`` ranks.
     """
 
@@ -107,7 +107,7 @@ def tp_collectives(part: str, mode: str, b: int, s: int, h: int, t: int) -> list
 
 
 def tp_block_bytes(mode: str, b: int, s: int, h: int, t: int) -> float:
-    """Bytes one rank sends per block and step (both sub-blocks), notebook 15's formulas:
+    """Bytes one rank sends per block and step (both sub-blocks), notebook 16's formulas:
     ``8·(t-1)/t·B`` for TP, ``10·(t-1)/t·B + 2·(t-1)/t·24h`` for SP, ``B = 4·b·s·h``."""
     big = 4 * b * s * h
     if mode == "TP":
@@ -150,7 +150,7 @@ class TensorParallelView(_WidgetView):
         part (`str`): ``"attention"`` or ``"MLP"``.
         mode (`str`): ``"TP"`` or ``"TP + SP"``.
         b, s, h, t (`int`): batch, sequence length, width and number of ranks (defaults:
-            notebook 15's ``8``, ``32``, ``64``, ``2``).
+            notebook 16's ``8``, ``32``, ``64``, ``2``).
         heads (`int`): attention heads ``a`` (default ``4``).
 
     Controls: buttons for ``part`` and ``mode``, sliders for ``b``, ``s``, ``h`` and ``t``.

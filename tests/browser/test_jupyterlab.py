@@ -217,16 +217,16 @@ def step_online_softmax(page: Page, screenshots_dir: Path) -> None:
 INTERACTIONS: dict[str, Callable[[Page, Path], None]] = {
     "02_sharding.ipynb": move_shard_explorer_epoch,
     "03_allreduce_and_gradients.ipynb": step_allreduce_and_gradients,
-    "04_mixed_precision.ipynb": change_precision_value,
+    "05_mixed_precision.ipynb": change_precision_value,
     "13_memory_of_a_training_step.ipynb": move_memory_explorer_batch,
-    "15_tensor_parallelism.ipynb": switch_tensor_parallel_mode,
-    "16_pipeline_parallelism.ipynb": move_pipeline_microbatches,
-    "17_context_parallelism.ipynb": step_online_softmax,
+    "16_tensor_parallelism.ipynb": switch_tensor_parallel_mode,
+    "17_pipeline_parallelism.ipynb": move_pipeline_microbatches,
+    "18_context_parallelism.ipynb": step_online_softmax,
 }
 
 
 # Notebooks with widgets that a test of their own runs and checks (their widgets included).
-OWN_TESTS = {"00_quickstart.ipynb", "10_ddp_step_by_step.ipynb"}
+OWN_TESTS = {"00_quickstart.ipynb", "04_ddp_step_by_step.ipynb"}
 
 
 def test_every_notebook_with_widgets_is_covered():
@@ -385,7 +385,7 @@ def test_monitor_and_toolbar_interrupt(lab: LabServer, page: Page, screenshots_d
 
 
 # --------------------------------------------------------------------------- 4. live ranks
-LIVE_RANKS = "10_ddp_step_by_step.ipynb"
+LIVE_RANKS = "04_ddp_step_by_step.ipynb"
 
 
 @pytest.mark.timeout(300)
