@@ -1,6 +1,7 @@
 """The rules every transport's plan is finished by (``_plan.place``), and the cluster's own
-decision (``_cluster/_remote_run.decide``), read from the plans they make: nothing launches,
-and no Ray is needed (the cluster's gang is a stand-in with what the decision reads of one)."""
+decision of where the ranks go (``_cluster/_remote_run.decide``), read from the plans they
+make: nothing launches, and no Ray is needed (the cluster's gang is a stand-in with what the
+decision reads of one)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import types
 import pytest
 
 from nb_dist._cluster import _remote_run
+from nb_dist._kernel._arguments import Asked, check_arguments
 from nb_dist._kernel._options import LaunchOptions
-from nb_dist._kernel._plan import LaunchPlan, Where, check_arguments, place
+from nb_dist._kernel._plan import Where, place, start_method_on
 from nb_dist._shared import _shipping
 
 #: Unit tests and quick launches: all in the fast lane (python -m pytest -m fast).
@@ -22,7 +24,7 @@ def _square(x: int) -> int:
     return x * x
 
 
-def _checked(**options: object) -> LaunchPlan:
+def _checked(**options: object) -> Asked:
     return check_arguments(_square, (3,), LaunchOptions(**options))  # type: ignore[arg-type]
 
 
@@ -75,6 +77,25 @@ def test_the_rendezvous_timeout_is_the_transports_only_where_auto_was_left(optio
     assert place(_checked(num_processes=2, **options), _where()).rendezvous_timeout == limit
 
 
+def test_what_no_transport_changes_reaches_the_plan_as_asked():
+    asked = _checked(num_processes=2, output="grouped", timeout=30, max_restarts=1)
+    plan = place(asked, _where(instead_of_fork="spawn"))
+    assert (plan.output, plan.timeout, plan.max_restarts) == ("grouped", 30.0, 1)
+    assert (plan.function, plan.args, plan.prefix) == (_square, (3,), asked.prefix)
+
+
+@pytest.mark.parametrize(
+    ("asked", "instead", "method"),
+    [
+        ("fork", None, "fork"),
+        ("fork", "forkserver", "forkserver"),
+        ("spawn", "forkserver", "spawn"),
+    ],
+)
+def test_only_fork_becomes_what_the_transport_starts_instead(asked, instead, method):
+    assert start_method_on(asked, instead) == method
+
+
 class _Gang:
     """What the cluster's decision reads of the nodes it reserves."""
 
@@ -95,7 +116,8 @@ def test_a_cluster_plan_spans_its_nodes_with_forkserver_and_its_own_rendezvous_t
         reserved.append((nprocs, method))
         return _Gang()
 
-    plan = _remote_run.decide(gang_for, _checked(num_processes=4), False)  # type: ignore[arg-type]
+    asked = _checked(num_processes=4)
+    plan = place(asked, _remote_run.decide(gang_for, asked, False))  # type: ignore[arg-type]
     assert reserved == [(4, "forkserver")]
     assert (plan.ranks, plan.world_size, plan.num_nodes) == ((0, 1, 2, 3), 4, 2)
     assert (plan.start_method, plan.threads) == ("forkserver", 4)

@@ -335,8 +335,8 @@ def test_a_start_that_fails_on_the_agents_shows_the_agents_error(cluster, monkey
     end_run = _gang.Gang.end_run
     ended: list[int] = []
 
-    def unknown_start_method(self, plan):
-        return dataclasses.replace(decide(self, plan), start_method="no-such-method")
+    def unknown_start_method(self, asked):  # "fork" becomes a method the agents lack
+        return dataclasses.replace(decide(self, asked), instead_of_fork="no-such-method")
 
     def counted(self, run, links=None):
         ended.append(run)

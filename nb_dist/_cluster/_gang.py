@@ -99,6 +99,15 @@ def clock_offset(ask: Callable[[], float], tries: int = 3) -> float:
     return best[1]
 
 
+def gang_key(
+    nprocs: int, per_node: int, per_rank: dict[str, float], strategy: str
+) -> tuple[object, ...]:
+    """What a gang was reserved for: a launch asking the same reuses it. The start method is
+    not part of it: each run tells the agents its own (``NodeAgent.start``), and the agent's
+    fork server, started for forkserver, sits unused under a spawn launch."""
+    return (nprocs, per_node, tuple(sorted(per_rank.items())), strategy)
+
+
 class Gang:
     """A placement group and its agents, one per bundle."""
 
@@ -115,7 +124,7 @@ class Gang:
         #: Live ranks running on the agents (a session holds them until it closes:
         #: :meth:`hold`, :meth:`let_go`).
         self.session: object | None = None
-        self.key = (nprocs, per_node, tuple(sorted(per_rank.items())), strategy)
+        self.key = gang_key(nprocs, per_node, per_rank, strategy)
         asked = _placement.bundles(nprocs, per_node, per_rank)
         self.counts = [min(per_node, nprocs - i * per_node) for i in range(len(asked))]
         self.group: Any = _placement.reserve(ray, asked, strategy, timeout)

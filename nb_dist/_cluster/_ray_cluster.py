@@ -19,10 +19,10 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-from .._kernel._plan import LaunchPlan
-from .._kernel._preflight import check_positive_int
+from .._kernel._arguments import Asked, check_positive_int
+from .._kernel._plan import LaunchPlan, Where
 from . import _connect, _placement, _remote_run
-from ._gang import Gang
+from ._gang import Gang, gang_key
 from ._remote_run import ClusterHost
 
 _log = logging.getLogger(__name__)
@@ -121,25 +121,26 @@ class RayCluster:
         )
 
     # ------------------------------------------------------------------ the transport
-    def decide(self, plan: LaunchPlan) -> LaunchPlan:
-        """The launch's plan on this cluster (``_kernel/_transport.py``); reserves the nodes."""
+    def decide(self, asked: Asked) -> Where:
+        """Where the launch's ranks go on this cluster (``_kernel/_transport.py``); reserves
+        the nodes, which the launch's first :meth:`open` takes."""
         gpus = self.resources_per_rank.get("GPU", 0.0) > 0
-        if plan.device == "cuda" and not gpus:
+        if asked.device == "cuda" and not gpus:
             raise ValueError(
                 "device='cuda' on a cluster needs a GPU per rank: pass "
                 "RayCluster(resources_per_rank={'GPU': 1, ...})."
             )
-        use_gpu = gpus and plan.device != "cpu"
-        return _remote_run.decide(self._reserve, plan, use_gpu)
+        use_gpu = gpus and asked.device != "cpu"
+        return _remote_run.decide(self._reserve, asked, use_gpu)
 
-    def open(self, plan: LaunchPlan, number: int) -> tuple[list[dict[str, str]], ClusterHost]:
+    def open(self, plan: LaunchPlan, attempt: int) -> tuple[list[dict[str, str]], ClusterHost]:
         """One attempt's ranks (or a live session's, ``nb_dist.Ranks(cluster=...)``) on the
         agents: their environments and their host; a gang that lost a node is given back
         when the host closes."""
         gang, self._reserved = self._reserved, None
         if gang is None or gang is not self._gang:  # a restart, or given back since decide
             gang = self._gang_for(plan.nprocs, plan.start_method)
-        return _remote_run.open_ranks(gang, plan, number, self._release)
+        return _remote_run.open_ranks(gang, plan, attempt, self._release)
 
     def interrupted(self) -> None:
         """■ stopped the ranks (the run ended on every agent as the supervisor closed); the
@@ -185,8 +186,7 @@ class RayCluster:
                 "and one set of agents runs one set of ranks at a time. Close the session "
                 "(ranks.close()) first, or give this launch a RayCluster of its own."
             )
-        key = (nprocs, self.processes_per_node, tuple(sorted(self.resources_per_rank.items())),
-               self.placement)  # fmt: skip
+        key = gang_key(nprocs, self.processes_per_node, self.resources_per_rank, self.placement)
         if gang is not None and (gang.key != key or not gang.healthy()):
             self._release()
             gang = None

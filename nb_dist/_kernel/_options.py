@@ -1,7 +1,7 @@
 """A launch's options as the caller gave them: one typed, keyword-only object.
 
 ``notebook_launcher`` and ``Ranks`` build a :class:`LaunchOptions` by keyword from their
-signatures; ``_plan.check_arguments`` checks its fields in the signature's order and
+signatures; ``_arguments.check_arguments`` checks its fields in the signature's order and
 the transport's ``decide`` finishes the plan. No option travels by position, so two options of the
 same type cannot be swapped by a caller. Runs in the kernel.
 """

@@ -12,7 +12,6 @@ output in the cell, root causes, timeouts with stacks, interrupts, no orphans.
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import itertools
 import linecache
 import os
@@ -26,9 +25,9 @@ from .._kernel._errors import LaunchError
 from .._kernel._observer import open_live_view
 from .._kernel._options import LaunchOptions
 from .._kernel._output import OutputRouter
-from .._kernel._plan import LaunchPlan, check_arguments
+from .._kernel._plan import LaunchPlan
 from .._kernel._result import LaunchResult
-from .._kernel._transport import Transport, transport_for
+from .._kernel._transport import Transport, prepare
 from .._shared import _protocol, _shipping
 from .._shared._protocol import RESERVED
 from . import _export
@@ -119,9 +118,7 @@ class Ranks:
             rendezvous_timeout=rendezvous_timeout, warm_imports=False, rich_output=rich_output,
             debug=debug,
         )  # fmt: skip
-        checked = check_arguments(_idle, (), self._options)
-        self._transport = transport_for(cluster)  # this machine, or cluster='s nodes
-        self._checked = dataclasses.replace(checked, session=True)
+        self._cluster = cluster  # this machine (None), or cluster='s nodes
         # What runs (the ranks, the store): held apart from this object, so that a Ranks
         # dropped without close() is stopped at the next launch, not in a finalizer.
         self._held = _Held()
@@ -130,7 +127,7 @@ class Ranks:
         self._history = _export.History()
         self.restarts = 0
         self._cell_number = 0  # names the source of each exec() for tracebacks
-        self._start()
+        self._start()  # the arguments are checked here, before anything starts
         self._started_order = next(_order)
         _open_sessions.add(self)
 
@@ -138,7 +135,7 @@ class Ranks:
     def _start(self) -> None:
         __tracebackhide__ = True
         _prompts.release_all()
-        plan = self._transport.decide(self._checked)
+        self._transport, plan = prepare(_idle, (), self._options, self._cluster, session=True)
         self.plan: LaunchPlan = plan
         router = self._router()
         for text in plan.notices:
