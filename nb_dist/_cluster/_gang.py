@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -125,6 +126,7 @@ class Gang:
         #: :meth:`hold`, :meth:`let_go`).
         self.session: object | None = None
         self.key = gang_key(nprocs, per_node, per_rank, strategy)
+        self._answered_at = -math.inf  # when every agent last answered (healthy)
         asked = _placement.bundles(nprocs, per_node, per_rank)
         self.counts = [min(per_node, nprocs - i * per_node) for i in range(len(asked))]
         self.group: Any = _placement.reserve(ray, asked, strategy, timeout)
@@ -277,12 +279,17 @@ class Gang:
         ``START_LIMIT`` seconds."""
         self.ray.get([a.ready.remote(START_LIMIT) for a in self.agents], timeout=START_LIMIT + 5)
 
-    def healthy(self) -> bool:
-        """Every agent still answers (else the gang is replaced before a launch)."""
+    def healthy(self, fresh_for: float = 0.0) -> bool:
+        """Every agent still answers (else the gang is replaced before a launch); without
+        asking again if they all answered within the last ``fresh_for`` s (a launch's plan
+        and its first attempt, a moment apart, ask once)."""
+        if time.monotonic() - self._answered_at < fresh_for:
+            return True
         try:
             self.ray.get([a.where.remote() for a in self.agents], timeout=CALL_LIMIT)
         except Exception:
             return False
+        self._answered_at = time.monotonic()
         return True
 
     def close(self) -> None:

@@ -26,6 +26,9 @@ from ._gang import Gang, gang_key
 from ._remote_run import ClusterHost
 
 _log = logging.getLogger(__name__)
+#: Agents that answered this recently count as healthy without asking again: a launch's
+#: plan (``decide``) and its first attempt (``open``) reserve the same gang, checked once.
+ANSWERED_FRESH = 2.0
 _open: weakref.WeakSet[RayCluster] = weakref.WeakSet()
 
 
@@ -102,7 +105,6 @@ class RayCluster:
         self._ray: Any = _connect.ray_module()
         _connect.connect(self._ray, address)
         self._gang: Gang | None = None
-        self._reserved: Gang | None = None  # by decide, for the next open
         #: One gang at a time: a launch and the background warm-up take turns here.
         self._lock = threading.Lock()
         self._warming: threading.Thread | None = None
@@ -131,15 +133,13 @@ class RayCluster:
                 "RayCluster(resources_per_rank={'GPU': 1, ...})."
             )
         use_gpu = gpus and asked.device != "cpu"
-        return _remote_run.decide(self._reserve, asked, use_gpu)
+        return _remote_run.decide(self._gang_for, asked, use_gpu)
 
     def open(self, plan: LaunchPlan, attempt: int) -> tuple[list[dict[str, str]], ClusterHost]:
         """One attempt's ranks (or a live session's, ``nb_dist.Ranks(cluster=...)``) on the
         agents: their environments and their host; a gang that lost a node is given back
         when the host closes."""
-        gang, self._reserved = self._reserved, None
-        if gang is None or gang is not self._gang:  # a restart, or given back since decide
-            gang = self._gang_for(plan.nprocs, plan.start_method)
+        gang = self._gang_for(plan.nprocs, plan.start_method)  # decide's, unless lost since
         return _remote_run.open_ranks(gang, plan, attempt, self._release)
 
     def interrupted(self) -> None:
@@ -167,12 +167,6 @@ class RayCluster:
             warming.join()  # an interrupt lands here; the warm-up goes on, holding the lock
             self._warming = None
 
-    def _reserve(self, nprocs: int, method: str) -> Gang:
-        """The gang ``decide`` reserves, which the launch's first ``open`` then takes as it
-        is (no second health check a moment after the first)."""
-        self._reserved = self._gang_for(nprocs, method)
-        return self._reserved
-
     def _gang_for(self, nprocs: int, method: str) -> Gang:
         self._wait_for_warming()
         with self._lock:
@@ -187,7 +181,7 @@ class RayCluster:
                 "(ranks.close()) first, or give this launch a RayCluster of its own."
             )
         key = gang_key(nprocs, self.processes_per_node, self.resources_per_rank, self.placement)
-        if gang is not None and (gang.key != key or not gang.healthy()):
+        if gang is not None and (gang.key != key or not gang.healthy(fresh_for=ANSWERED_FRESH)):
             self._release()
             gang = None
         if gang is None:

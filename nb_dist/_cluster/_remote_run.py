@@ -42,7 +42,7 @@ FORK_INSTEAD = "forkserver"
 def decide(gang_for: Callable[[int, str], Gang], asked: Asked, use_gpu: bool) -> Where:
     """Where a launch's ranks go on the cluster; ``gang_for(nprocs, start_method)`` reserves
     its nodes. The rules every transport shares (start method, threads, the ``"auto"``
-    rendezvous timeout) are then ``_plan.place``'s."""
+    rendezvous timeout) are then ``_plan.plan_on``'s."""
     _refuse_placed_by_hand(asked)
     if asked.num_processes is None:
         raise ValueError(

@@ -21,7 +21,7 @@ from ._plan import LaunchPlan
 from ._result import LaunchResult
 from ._supervisor import RunResult, Supervisor
 from ._tracebacks import ipython_shell
-from ._transport import Transport, prepare
+from ._transport import Transport, open_supervised, prepare
 
 
 def notebook_launcher(
@@ -70,7 +70,8 @@ def notebook_launcher(
     Args:
         function: the function every rank runs; defined in a cell is fine.
         args: positional arguments for ``function`` (a tuple or list).
-        num_processes: ranks on this machine. ``None``: one per visible GPU.
+        num_processes: how many ranks: on this machine, or with ``cluster=`` on all its
+            nodes. ``None``: one per visible GPU (on this machine).
         mixed_precision: ``"no"``, ``"fp16"`` or ``"bf16"``; reaches ``Accelerator()`` and
             :func:`nb_dist.mixed_precision` in the ranks.
         use_port: rendezvous port; ``None`` picks a free one. Required with ``num_nodes > 1``.
@@ -227,14 +228,12 @@ def _run_attempt(
 ) -> tuple[RunResult, int]:
     """One attempt, wherever its ranks run: (its result, the rendezvous port)."""
     __tracebackhide__ = True
-    envs, host = transport.open(plan, attempt)
+    supervisor, port = open_supervised(
+        transport, plan, attempt,
+        lambda envs, host: Supervisor(plan, envs, router, live_view, host),
+    )  # fmt: skip
     try:
-        supervisor = Supervisor(plan, envs, router, live_view, host)
-    except BaseException:
-        host.close()
-        raise
-    try:
-        return supervisor.run(), int(envs[0]["MASTER_PORT"])  # run() closes the host
+        return supervisor.run(), port  # run() closes the host
     finally:
         router.finish()
         if plan.warm_imports:  # what the ranks imported, for the next launch (fork only)

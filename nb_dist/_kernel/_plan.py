@@ -1,7 +1,7 @@
 """The launch plan: what the caller asked (``_arguments.Asked``) on where the ranks go.
 
 A transport says where a launch's ranks go (:class:`Where`: this machine's devices, or a
-cluster's nodes), and :func:`place` applies the rules every transport shares, in one place,
+cluster's nodes), and :func:`plan_on` applies the rules every transport shares, in one place,
 into one frozen :class:`LaunchPlan` of plain data (``_transport.prepare`` runs the three
 steps in order):
 
@@ -63,7 +63,7 @@ class LaunchPlan(Settings):
 @dataclass(frozen=True)
 class Where:
     """What a transport decided about where a launch's ranks go (``Transport.decide``), for
-    :func:`place`, which applies the rules every transport shares."""
+    :func:`plan_on`, which applies the rules every transport shares."""
 
     ranks: tuple[int, ...]  # the global rank of each rank started through this transport
     world_size: int
@@ -76,7 +76,7 @@ class Where:
     #: ``rendezvous_timeout="auto"`` for this transport.
     auto_rendezvous: float
     #: The function and args by value where the transport shipped them itself (with its own
-    #: report of what did not pickle); else :func:`place` ships them for spawn/forkserver.
+    #: report of what did not pickle); else :func:`plan_on` ships them for spawn/forkserver.
     payload: bytes | None = None
     notices: tuple[str, ...] = ()
 
@@ -86,7 +86,7 @@ def start_method_on(asked: str, instead_of_fork: str | None) -> str:
     return instead_of_fork if asked == "fork" and instead_of_fork is not None else asked
 
 
-def place(asked: Asked, where: Where) -> LaunchPlan:
+def plan_on(asked: Asked, where: Where) -> LaunchPlan:
     """The plan: what was ``asked`` on ``where``, by the rules every transport shares, in
     one place: the start method, the threads per rank (:func:`threads_for`; fewer where a
     fork would hang, step 6), the ``"auto"`` rendezvous timeout, the function shipped by

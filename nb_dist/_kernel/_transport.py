@@ -5,7 +5,7 @@ same three points, and nothing else in the kernel asks where the ranks run:
 
 - :meth:`Transport.decide` says where the checked launch's ranks go (this machine: the
   kernel's state and its devices; a cluster: its placement and nodes, the function shipped
-  by value), and :func:`prepare` applies ``_plan.place``'s rules to that, for both;
+  by value), and :func:`prepare` applies ``_plan.plan_on``'s rules to that, for both;
 - :meth:`Transport.open` gives one attempt's ranks (or a live session's) their
   environments, with the rendezvous store opened for them, and the ``RankHost`` the
   kernel's own ``Supervisor`` starts and ends them through: the launch and ``nb_dist.Ranks``
@@ -22,12 +22,12 @@ one (:func:`transport_for`), so the kernel never imports a cluster engine.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 from ._arguments import Asked, check_arguments
 from ._local import LocalTransport
 from ._options import LaunchOptions
-from ._plan import LaunchPlan, Where, place
+from ._plan import LaunchPlan, Where, plan_on
 
 if TYPE_CHECKING:
     from ._supervisor import RankHost
@@ -77,7 +77,29 @@ def prepare(
 ) -> tuple[Transport, LaunchPlan]:
     """The one way a launch (and a start of live ranks) is planned: every argument checked
     (``_arguments``), the transport of ``cluster=`` says where the ranks go, and
-    ``_plan.place`` applies the rules every transport shares. Nothing has started."""
+    ``_plan.plan_on`` applies the rules every transport shares. Nothing has started."""
     asked = check_arguments(function, args, options, session=session)
     transport = transport_for(cluster)  # where the ranks run: this machine or a cluster's
-    return transport, place(asked, transport.decide(asked))
+    return transport, plan_on(asked, transport.decide(asked))
+
+
+_Supervisor = TypeVar("_Supervisor")
+
+
+def open_supervised(
+    transport: Transport,
+    plan: LaunchPlan,
+    attempt: int,
+    supervisor_for: Callable[[list[dict[str, str]], RankHost], _Supervisor],
+) -> tuple[_Supervisor, int]:
+    """The ranks of ``attempt`` opened through ``transport`` (their environments, the store
+    opened) and the supervisor built over them (``supervisor_for(envs, host)``: a launch's,
+    or a live session's); the host is closed again if the supervisor cannot be built. The
+    supervisor, and the rendezvous port (0 where there is none)."""
+    envs, host = transport.open(plan, attempt)
+    try:
+        supervisor = supervisor_for(envs, host)
+    except BaseException:
+        host.close()
+        raise
+    return supervisor, int(envs[0].get("MASTER_PORT", 0)) if envs else 0
