@@ -13,10 +13,12 @@ from pathlib import Path
 
 import psutil
 
-#: How long a process someone else signalled may take to die. Generous on purpose: it tells
-#: "was stopped" from "was never stopped" (every process these tests start would otherwise run
-#: for a minute or forever), not how fast; how fast is measured in bench/.
-GONE_WITHIN = 30.0
+#: How long a process someone else stopped may take to be gone: 5x the README's promises
+#: (ranks stopped within a second of a failure, ■ or close; ranks die with the kernel or the
+#: launching process, by the lifeline and the parent-death signal; a rank's leftover
+#: subprocesses go with its process group), which still tolerates a loaded machine. How fast
+#: it really is, is measured in bench/ (launch_latency.py, relaunch.py).
+GONE_WITHIN = 5.0
 
 
 def assert_all_gone(pids, within: float = GONE_WITHIN) -> None:

@@ -116,9 +116,8 @@ def _square(x: int) -> int:
 def test_the_off_notice_goes_to_the_first_fork_launch_that_is_not_refused(slow_module):
     """Warm relaunches switched off are said once, by a fork launch that asked for them:
     not used up by a launch refused before it starts, nor by a spawn launch."""
-    from nb_dist._kernel._local import decide_here
     from nb_dist._kernel._options import LaunchOptions
-    from nb_dist._kernel._plan import check_arguments
+    from nb_dist._kernel._transport import prepare
 
     name, folder = slow_module
     _warm.schedule([name])
@@ -127,7 +126,7 @@ def test_the_off_notice_goes_to_the_first_fork_launch_that_is_not_refused(slow_m
 
     def decided(args: tuple, **options: object):
         asked = LaunchOptions(num_processes=2, device="cpu", threads_per_process=1, **options)
-        return decide_here(check_arguments(_square, args, asked))
+        return prepare(_square, args, asked, cluster=None)[1]
 
     with pytest.raises(TypeError, match="must send the function and args"):
         decided((threading.Lock(),), start_method="spawn")  # refused: does not pickle

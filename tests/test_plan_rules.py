@@ -1,6 +1,7 @@
-"""The rules every transport's plan is finished by (``_plan.place``), and the cluster's own
-decision (``_cluster/_remote_run.decide``), read from the plans they make: nothing launches,
-and no Ray is needed (the cluster's gang is a stand-in with what the decision reads of one)."""
+"""The rules every transport's plan is finished by (``_plan.plan_on``), and the cluster's own
+decision of where the ranks go (``_cluster/_remote_run.decide``), read from the plans they
+make: nothing launches, and no Ray is needed (the cluster's gang is a stand-in with what the
+decision reads of one)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import types
 import pytest
 
 from nb_dist._cluster import _remote_run
+from nb_dist._kernel._arguments import Asked, check_arguments
 from nb_dist._kernel._options import LaunchOptions
-from nb_dist._kernel._plan import LaunchPlan, Where, check_arguments, place
+from nb_dist._kernel._plan import Where, plan_on, start_method_on
 from nb_dist._shared import _shipping
 
 #: Unit tests and quick launches: all in the fast lane (python -m pytest -m fast).
@@ -22,7 +24,7 @@ def _square(x: int) -> int:
     return x * x
 
 
-def _checked(**options: object) -> LaunchPlan:
+def _checked(**options: object) -> Asked:
     return check_arguments(_square, (3,), LaunchOptions(**options))  # type: ignore[arg-type]
 
 
@@ -35,13 +37,13 @@ def _where(**changes: object) -> Where:
 
 
 def test_fork_stays_fork_where_the_starter_can_fork_and_nothing_is_shipped():
-    plan = place(_checked(num_processes=2, threads_per_process=1), _where())
+    plan = plan_on(_checked(num_processes=2, threads_per_process=1), _where())
     assert (plan.start_method, plan.payload, plan.threads) == ("fork", None, 1)
     assert (plan.ranks, plan.world_size, plan.num_nodes) == ((0, 1), 2, 1)
 
 
 def test_fork_becomes_what_the_transport_says_and_the_function_goes_by_value():
-    plan = place(_checked(num_processes=2), _where(instead_of_fork="forkserver"))
+    plan = plan_on(_checked(num_processes=2), _where(instead_of_fork="forkserver"))
     assert plan.start_method == "forkserver" and not plan.warm_imports
     function, args = _shipping.loads(plan.payload or b"")
     assert function(*args) == 9
@@ -52,14 +54,14 @@ def test_threads_are_the_callers_then_omp_num_threads_then_the_cores_each_rank_h
 ):
     where = _where(instead_of_fork="spawn", cores_per_rank=3)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    assert place(_checked(num_processes=2, threads_per_process=2), where).threads == 2
-    assert place(_checked(num_processes=2), where).threads == 3
+    assert plan_on(_checked(num_processes=2, threads_per_process=2), where).threads == 2
+    assert plan_on(_checked(num_processes=2), where).threads == 3
     monkeypatch.setenv("OMP_NUM_THREADS", "5")
-    assert place(_checked(num_processes=2), where).threads == 5
+    assert plan_on(_checked(num_processes=2), where).threads == 5
     no_cores = dataclasses.replace(where, cores_per_rank=0)
-    assert place(_checked(num_processes=2), no_cores).threads == 5
+    assert plan_on(_checked(num_processes=2), no_cores).threads == 5
     monkeypatch.delenv("OMP_NUM_THREADS")
-    assert place(_checked(num_processes=2), no_cores).threads == 1  # at least one
+    assert plan_on(_checked(num_processes=2), no_cores).threads == 1  # at least one
 
 
 @pytest.mark.parametrize(
@@ -72,7 +74,26 @@ def test_threads_are_the_callers_then_omp_num_threads_then_the_cores_each_rank_h
     ],
 )
 def test_the_rendezvous_timeout_is_the_transports_only_where_auto_was_left(options, limit):
-    assert place(_checked(num_processes=2, **options), _where()).rendezvous_timeout == limit
+    assert plan_on(_checked(num_processes=2, **options), _where()).rendezvous_timeout == limit
+
+
+def test_what_no_transport_changes_reaches_the_plan_as_asked():
+    asked = _checked(num_processes=2, output="grouped", timeout=30, max_restarts=1)
+    plan = plan_on(asked, _where(instead_of_fork="spawn"))
+    assert (plan.output, plan.timeout, plan.max_restarts) == ("grouped", 30.0, 1)
+    assert (plan.function, plan.args, plan.prefix) == (_square, (3,), asked.prefix)
+
+
+@pytest.mark.parametrize(
+    ("asked", "instead", "method"),
+    [
+        ("fork", None, "fork"),
+        ("fork", "forkserver", "forkserver"),
+        ("spawn", "forkserver", "spawn"),
+    ],
+)
+def test_only_fork_becomes_what_the_transport_starts_instead(asked, instead, method):
+    assert start_method_on(asked, instead) == method
 
 
 class _Gang:
@@ -95,7 +116,8 @@ def test_a_cluster_plan_spans_its_nodes_with_forkserver_and_its_own_rendezvous_t
         reserved.append((nprocs, method))
         return _Gang()
 
-    plan = _remote_run.decide(gang_for, _checked(num_processes=4), False)  # type: ignore[arg-type]
+    asked = _checked(num_processes=4)
+    plan = plan_on(asked, _remote_run.decide(gang_for, asked, False))  # type: ignore[arg-type]
     assert reserved == [(4, "forkserver")]
     assert (plan.ranks, plan.world_size, plan.num_nodes) == ((0, 1, 2, 3), 4, 2)
     assert (plan.start_method, plan.threads) == ("forkserver", 4)

@@ -335,8 +335,8 @@ def test_a_start_that_fails_on_the_agents_shows_the_agents_error(cluster, monkey
     end_run = _gang.Gang.end_run
     ended: list[int] = []
 
-    def unknown_start_method(self, plan):
-        return dataclasses.replace(decide(self, plan), start_method="no-such-method")
+    def unknown_start_method(self, asked):  # "fork" becomes a method the agents lack
+        return dataclasses.replace(decide(self, asked), instead_of_fork="no-such-method")
 
     def counted(self, run, links=None):
         ended.append(run)
@@ -425,13 +425,14 @@ def test_ranks_run_at_the_raylets_priority_not_at_ray_workers_niceness(cluster, 
 
 
 def _one_raises():
-    import torch
+    import time
+
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
     if dist.get_rank() == 1:
         raise ValueError("rank one is broken")
-    dist.all_reduce(torch.ones(1))  # rank 0 waits for a peer that is gone
+    time.sleep(60)  # rank 0 still runs when rank 1 fails: stopped, on any machine
 
 
 def test_a_raising_rank_is_the_root_cause_once(cluster):
@@ -445,7 +446,7 @@ def test_a_raising_rank_is_the_root_cause_once(cluster):
     assert text.splitlines()[0].startswith("rank 1"), text
     assert text.count("Traceback (most recent call last)") == 1, text  # once, not per layer
     assert 'raise ValueError("rank one is broken")' in text  # the traceback, with its line
-    assert err.outcomes[0].status in ("collateral", "stopped")
+    assert err.outcomes[0].status == "stopped"
     assert took < 10, took  # a warm launch (0.1 s) and the error (1 s promised), 5x allowed
     # Its failure time is on this process's clock (the node's offset added).
     assert began <= err.root_cause.failed_at <= began + took

@@ -75,13 +75,20 @@ def _report_for(seconds):
     return count
 
 
-def _report_then_raise():
+def _report_then_raise(folder: str):
     r = nb_dist.rank()
     for i in range(600):  # more than one batch
         nb_dist.report("loss", float(i + r))
-    if r == 1:
-        raise ValueError("bad batch 7")
-    return r
+    done = os.path.join(folder, "rank0-reported")
+    if r == 0:
+        open(done, "w").close()
+        return r
+    # Rank 1 fails only once rank 0 has reported all (a handshake: on a loaded machine rank 0
+    # may not have started reporting when rank 1 gets here, and would be stopped mid-way).
+    deadline = time.monotonic() + 60
+    while not os.path.exists(done) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    raise ValueError("bad batch 7")
 
 
 def _rank_helpers():
@@ -263,10 +270,10 @@ def test_no_report_is_lost_while_the_flusher_thread_sends(monkeypatch):
         assert steps == list(range(count)) and values == list(range(count))
 
 
-def test_reports_before_a_failure_are_on_the_error():
+def test_reports_before_a_failure_are_on_the_error(tmp_path):
     """A rank that raises: what every rank reported before is on ``err.reports``."""
     with pytest.raises(WorkerFailedError) as caught:
-        notebook_launcher(_report_then_raise, num_processes=2)
+        notebook_launcher(_report_then_raise, (str(tmp_path),), num_processes=2)
     err = caught.value
     assert str(err).startswith("rank 1 failed first: ValueError: bad batch 7")
     for rank in (0, 1):

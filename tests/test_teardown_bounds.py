@@ -58,7 +58,7 @@ def test_an_unreaped_worker_is_reported_with_its_pid_and_state(sleeper, capsys, 
 
 
 def test_kill_and_reap_of_a_forked_worker_returns_its_signal(sleeper):
-    worker = _processes._Spawned(sleeper)
+    worker = _processes.spawned(sleeper)
     assert worker.kill_and_reap() == -signal.SIGKILL
     assert sleeper.returncode == -signal.SIGKILL  # Popen knows: it will not wait again
 
@@ -68,7 +68,7 @@ def test_an_ended_worker_keeps_its_exit_code_and_is_never_signalled_again():
     # once reaped, the answer must stay the rank's own code (it read as SIGKILL before), and
     # the pid, free for the system to reuse, must never be signalled or waited for again.
     child = subprocess.Popen(["sh", "-c", "exit 3"])
-    worker = _processes._Spawned(child)
+    worker = _processes.spawned(child)
     deadline = time.monotonic() + 30
     while (code := worker.exit_code()) is None:
         assert time.monotonic() < deadline, "sh -c 'exit 3' never ended"

@@ -20,8 +20,9 @@ import pytest
 from process_helpers import assert_all_gone
 
 import nb_dist
+from nb_dist._kernel._arguments import Asked
 from nb_dist._kernel._local import LocalTransport
-from nb_dist._kernel._plan import LaunchPlan
+from nb_dist._kernel._plan import LaunchPlan, Where
 from nb_dist._kernel._rank_handle import Rank
 from nb_dist._kernel._supervisor import RankHost
 from nb_dist._kernel._transport import Transport, transport_for
@@ -63,18 +64,18 @@ class JournalledTransport:
         self._local = LocalTransport()
         self._fail_open, self._fail_start = fail_open, fail_start
 
-    def decide(self, plan: LaunchPlan) -> LaunchPlan:
-        decided = self._local.decide(plan)
-        self.journal.append(("decide", decided.nprocs))
-        return decided
+    def decide(self, asked: Asked) -> Where:
+        where = self._local.decide(asked)
+        self.journal.append(("decide", len(where.ranks)))
+        return where
 
-    def open(self, plan: LaunchPlan, number: int) -> tuple[list[dict[str, str]], RankHost]:
-        self.journal.append(("open", number, plan.session))
-        if number in self._fail_open:
+    def open(self, plan: LaunchPlan, attempt: int) -> tuple[list[dict[str, str]], RankHost]:
+        self.journal.append(("open", attempt, plan.session))
+        if attempt in self._fail_open:
             raise ConnectionError("the transport could not reach its machines")
-        envs, host = self._local.open(plan, number)
-        envs = [{**env, SEAM_ENV: str(number)} for env in envs]
-        return envs, _JournalledHost(host, self.journal, number, number in self._fail_start)
+        envs, host = self._local.open(plan, attempt)
+        envs = [{**env, SEAM_ENV: str(attempt)} for env in envs]
+        return envs, _JournalledHost(host, self.journal, attempt, attempt in self._fail_start)
 
     def interrupted(self) -> None:
         self.journal.append(("interrupted",))

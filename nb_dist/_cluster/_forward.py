@@ -35,6 +35,7 @@ from multiprocessing.connection import Connection
 from typing import Any, NamedTuple
 
 from .._node._outbox import Batch
+from .._starter._processes import REAP_WITHIN
 from .._starter._run_parts import hold_out_of_forks
 
 #: How long one long poll waits on the node when nothing happens (also how stale the
@@ -270,10 +271,10 @@ class RemoteProcess:
         if not self._link.call("signal", self._position, sig, False):
             raise ProcessLookupError(self.pid)
 
-    def kill_and_reap(self) -> int:
+    def kill_and_reap(self, within: float = REAP_WITHIN) -> int:
         code = self._link.exit_code(self._position)
         if code is None:
-            reaped = self._link.call("kill_and_reap", self._position)
+            reaped = self._link.call("kill_and_reap", self._position, within)
             code, unasked = -signal.SIGKILL, False
             if reaped is not None:
                 code, unasked = int(reaped[0]), bool(reaped[1])

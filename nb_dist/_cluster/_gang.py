@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -99,6 +100,15 @@ def clock_offset(ask: Callable[[], float], tries: int = 3) -> float:
     return best[1]
 
 
+def gang_key(
+    nprocs: int, per_node: int, per_rank: dict[str, float], strategy: str
+) -> tuple[object, ...]:
+    """What a gang was reserved for: a launch asking the same reuses it. The start method is
+    not part of it: each run tells the agents its own (``NodeAgent.start``), and the agent's
+    fork server, started for forkserver, sits unused under a spawn launch."""
+    return (nprocs, per_node, tuple(sorted(per_rank.items())), strategy)
+
+
 class Gang:
     """A placement group and its agents, one per bundle."""
 
@@ -115,7 +125,8 @@ class Gang:
         #: Live ranks running on the agents (a session holds them until it closes:
         #: :meth:`hold`, :meth:`let_go`).
         self.session: object | None = None
-        self.key = (nprocs, per_node, tuple(sorted(per_rank.items())), strategy)
+        self.key = gang_key(nprocs, per_node, per_rank, strategy)
+        self._answered_at = -math.inf  # when every agent last answered (healthy)
         asked = _placement.bundles(nprocs, per_node, per_rank)
         self.counts = [min(per_node, nprocs - i * per_node) for i in range(len(asked))]
         self.group: Any = _placement.reserve(ray, asked, strategy, timeout)
@@ -268,12 +279,17 @@ class Gang:
         ``START_LIMIT`` seconds."""
         self.ray.get([a.ready.remote(START_LIMIT) for a in self.agents], timeout=START_LIMIT + 5)
 
-    def healthy(self) -> bool:
-        """Every agent still answers (else the gang is replaced before a launch)."""
+    def healthy(self, fresh_for: float = 0.0) -> bool:
+        """Every agent still answers (else the gang is replaced before a launch); without
+        asking again if they all answered within the last ``fresh_for`` s (a launch's plan
+        and its first attempt, a moment apart, ask once)."""
+        if time.monotonic() - self._answered_at < fresh_for:
+            return True
         try:
             self.ray.get([a.where.remote() for a in self.agents], timeout=CALL_LIMIT)
         except Exception:
             return False
+        self._answered_at = time.monotonic()
         return True
 
     def close(self) -> None:

@@ -19,13 +19,16 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-from .._kernel._plan import LaunchPlan
-from .._kernel._preflight import check_positive_int
+from .._kernel._arguments import Asked, check_positive_int
+from .._kernel._plan import LaunchPlan, Where
 from . import _connect, _placement, _remote_run
-from ._gang import Gang
+from ._gang import Gang, gang_key
 from ._remote_run import ClusterHost
 
 _log = logging.getLogger(__name__)
+#: Agents that answered this recently count as healthy without asking again: a launch's
+#: plan (``decide``) and its first attempt (``open``) reserve the same gang, checked once.
+ANSWERED_FRESH = 2.0
 _open: weakref.WeakSet[RayCluster] = weakref.WeakSet()
 
 
@@ -102,7 +105,6 @@ class RayCluster:
         self._ray: Any = _connect.ray_module()
         _connect.connect(self._ray, address)
         self._gang: Gang | None = None
-        self._reserved: Gang | None = None  # by decide, for the next open
         #: One gang at a time: a launch and the background warm-up take turns here.
         self._lock = threading.Lock()
         self._warming: threading.Thread | None = None
@@ -121,25 +123,24 @@ class RayCluster:
         )
 
     # ------------------------------------------------------------------ the transport
-    def decide(self, plan: LaunchPlan) -> LaunchPlan:
-        """The launch's plan on this cluster (``_kernel/_transport.py``); reserves the nodes."""
+    def decide(self, asked: Asked) -> Where:
+        """Where the launch's ranks go on this cluster (``_kernel/_transport.py``); reserves
+        the nodes, which the launch's first :meth:`open` takes."""
         gpus = self.resources_per_rank.get("GPU", 0.0) > 0
-        if plan.device == "cuda" and not gpus:
+        if asked.device == "cuda" and not gpus:
             raise ValueError(
                 "device='cuda' on a cluster needs a GPU per rank: pass "
                 "RayCluster(resources_per_rank={'GPU': 1, ...})."
             )
-        use_gpu = gpus and plan.device != "cpu"
-        return _remote_run.decide(self._reserve, plan, use_gpu)
+        use_gpu = gpus and asked.device != "cpu"
+        return _remote_run.decide(self._gang_for, asked, use_gpu)
 
-    def open(self, plan: LaunchPlan, number: int) -> tuple[list[dict[str, str]], ClusterHost]:
+    def open(self, plan: LaunchPlan, attempt: int) -> tuple[list[dict[str, str]], ClusterHost]:
         """One attempt's ranks (or a live session's, ``nb_dist.Ranks(cluster=...)``) on the
         agents: their environments and their host; a gang that lost a node is given back
         when the host closes."""
-        gang, self._reserved = self._reserved, None
-        if gang is None or gang is not self._gang:  # a restart, or given back since decide
-            gang = self._gang_for(plan.nprocs, plan.start_method)
-        return _remote_run.open_ranks(gang, plan, number, self._release)
+        gang = self._gang_for(plan.nprocs, plan.start_method)  # decide's, unless lost since
+        return _remote_run.open_ranks(gang, plan, attempt, self._release)
 
     def interrupted(self) -> None:
         """■ stopped the ranks (the run ended on every agent as the supervisor closed); the
@@ -166,12 +167,6 @@ class RayCluster:
             warming.join()  # an interrupt lands here; the warm-up goes on, holding the lock
             self._warming = None
 
-    def _reserve(self, nprocs: int, method: str) -> Gang:
-        """The gang ``decide`` reserves, which the launch's first ``open`` then takes as it
-        is (no second health check a moment after the first)."""
-        self._reserved = self._gang_for(nprocs, method)
-        return self._reserved
-
     def _gang_for(self, nprocs: int, method: str) -> Gang:
         self._wait_for_warming()
         with self._lock:
@@ -185,9 +180,8 @@ class RayCluster:
                 "and one set of agents runs one set of ranks at a time. Close the session "
                 "(ranks.close()) first, or give this launch a RayCluster of its own."
             )
-        key = (nprocs, self.processes_per_node, tuple(sorted(self.resources_per_rank.items())),
-               self.placement)  # fmt: skip
-        if gang is not None and (gang.key != key or not gang.healthy()):
+        key = gang_key(nprocs, self.processes_per_node, self.resources_per_rank, self.placement)
+        if gang is not None and (gang.key != key or not gang.healthy(fresh_for=ANSWERED_FRESH)):
             self._release()
             gang = None
         if gang is None:

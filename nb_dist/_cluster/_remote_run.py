@@ -1,7 +1,7 @@
 """A launch on a cluster: the plan decided for the cluster's nodes, and one attempt's run.
 
-Runs in the kernel. :func:`decide` replaces the local decisions (devices, threads, fork) with
-the cluster's: the ranks start with forkserver (or spawn) on their nodes, the function and
+Runs in the kernel. :func:`decide` says where the ranks go instead of this machine's
+devices: the ranks start with forkserver (or spawn) on their nodes, the function and
 its arguments are shipped by value (and the pre-flight names what was shipped, or which
 argument or global did not pickle), and the placement group is reserved before anything
 starts. :func:`open_ranks` opens the rendezvous store on rank 0's node and gives each rank the
@@ -21,10 +21,10 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from .._kernel import _plan
-from .._kernel._plan import LaunchPlan
+from .._kernel._arguments import Asked
+from .._kernel._plan import LaunchPlan, Where, start_method_on
 from .._kernel._rank_handle import Rank
-from .._kernel._run_setup import rank_env
+from .._kernel._run_setup import rank_env, rank_spec
 from .._shared import _protocol, _shipping
 from .._shared._protocol import COLLECTIVES_ENV
 from .._starter._run_parts import hold_out_of_forks, scratch_folder, widen
@@ -39,21 +39,20 @@ CLUSTER_RENDEZVOUS = 120.0
 FORK_INSTEAD = "forkserver"
 
 
-def decide(gang_for: Callable[[int, str], Gang], plan: LaunchPlan, use_gpu: bool) -> LaunchPlan:
-    """The plan of a launch on the cluster; ``gang_for(nprocs, start_method)`` reserves its
-    nodes. Where the ranks go is the cluster's; the rules every transport shares (start
-    method, threads, the ``"auto"`` rendezvous timeout) are ``_plan.place``'s."""
-    _refuse_placed_by_hand(plan)
-    if plan.asked_processes is None:
+def decide(gang_for: Callable[[int, str], Gang], asked: Asked, use_gpu: bool) -> Where:
+    """Where a launch's ranks go on the cluster; ``gang_for(nprocs, start_method)`` reserves
+    its nodes. The rules every transport shares (start method, threads, the ``"auto"``
+    rendezvous timeout) are then ``_plan.plan_on``'s."""
+    _refuse_placed_by_hand(asked)
+    if asked.num_processes is None:
         raise ValueError(
             "num_processes=None means one process per local GPU; on a cluster say how many "
             "ranks to start in all, e.g. num_processes=8 (processes_per_node of them per node)."
         )
-    nprocs = plan.asked_processes
-    method = FORK_INSTEAD if plan.start_method == "fork" else plan.start_method
-    payload, shipped = ship(plan.function, plan.args)  # before nodes are reserved for it
-    gang = gang_for(nprocs, method)
-    there = _plan.Where(
+    nprocs = asked.num_processes
+    payload, shipped = ship(asked.function, asked.args)  # before nodes are reserved for it
+    gang = gang_for(nprocs, start_method_on(asked.start_method, FORK_INSTEAD))
+    return Where(
         ranks=tuple(range(nprocs)),
         world_size=nprocs,
         num_nodes=gang.layout.num_nodes,
@@ -64,11 +63,10 @@ def decide(gang_for: Callable[[int, str], Gang], plan: LaunchPlan, use_gpu: bool
         payload=payload,
         notices=(f"shipped {shipped} to {nprocs} ranks on {gang.describe()}.",),
     )
-    return _plan.place(plan, there)
 
 
-def _refuse_placed_by_hand(plan: LaunchPlan) -> None:
-    given = ", ".join(plan.placed_by_hand)
+def _refuse_placed_by_hand(asked: Asked) -> None:
+    given = ", ".join(asked.placed_by_hand)
     if given:
         raise ValueError(
             f"{given} place a launch by hand on several machines; with cluster= the "
@@ -136,16 +134,16 @@ def _what(value: Any, exc: BaseException) -> str:
 
 
 def open_ranks(
-    gang: Gang, plan: LaunchPlan, number: int, on_lost: Callable[[], None]
+    gang: Gang, plan: LaunchPlan, attempt: int, on_lost: Callable[[], None]
 ) -> tuple[list[dict[str, str]], ClusterHost]:
-    """Attempt ``number``'s ranks on the gang (or a live session's): each rank's environment,
+    """Attempt ``attempt``'s ranks on the gang (or a live session's): each rank's environment,
     the store opened on rank 0's node, and the host that starts and ends them. ``on_lost()``
     runs when the host closes after a run that lost a node (or an agent)."""
     run = gang.new_run()
     folder = scratch_folder("nb_dist_cluster_")
     try:
         address, port = gang.open_store(run, plan.world_size)
-        envs = [cluster_env(plan, gang, r, address, port, number, folder) for r in plan.ranks]
+        envs = [cluster_env(plan, gang, r, address, port, attempt, folder) for r in plan.ranks]
     except BaseException:
         gang.end_run(run)  # the store, if it was opened
         shutil.rmtree(folder, ignore_errors=True)
@@ -210,7 +208,7 @@ class ClusterHost:
     ) -> Connection | None:
         lay = self._gang.layout
         specs = [
-            plan.rank_spec(index, envs[index], [], local_rank=lay.local_rank[index])
+            rank_spec(plan, index, envs[index], [], local_rank=lay.local_rank[index])
             for index in range(plan.nprocs)
         ]
         theirs = [rank.open_pipes() for rank in ranks]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+import traceback
 import types
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -121,7 +122,7 @@ def _ipython_dir() -> str:
 _NOT_THE_USERS = (PACKAGE_DIR + os.sep, _ipython_dir())
 
 
-class _EndsAtTheCall:
+class _EndsAtTheCall(BaseException):
     """IPython renders these exceptions' tracebacks without nb_dist's own frames.
 
     IPython always shows the frame an exception was raised in, even one marked
@@ -135,7 +136,8 @@ class _EndsAtTheCall:
         from ._tracebacks import ipython_shell
 
         shell = ipython_shell()
-        assert isinstance(self, BaseException) and shell is not None
+        if shell is None:  # only IPython asks; anyone else gets Python's usual traceback
+            return traceback.format_exception(type(self), self, self.__traceback__)
         frames = _user_frames(self.__traceback__)
         return list(shell.InteractiveTB.structured_traceback(type(self), self, frames))
 

@@ -1,8 +1,9 @@
 """``notebook_launcher``: run a function on N processes under torch.distributed from a cell.
 
-The function is the public signature and its documentation. What it does: check every
-argument (``_plan.check_arguments``), let the transport (``_transport.py``: this machine, or
-``cluster=``'s) decide the plan and run the attempts, restarts included, then the result.
+The function is the public signature and its documentation. What it does: plan the launch
+(``_transport.prepare``: every argument checked, the transport of ``cluster=`` or this
+machine's says where the ranks go, the shared rules finish the plan), run the attempts
+through that transport, restarts included, then the result.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ from ._errors import LaunchInterrupted, LaunchTimeoutError, WorkerFailedError
 from ._observer import Observer, open_live_view
 from ._options import LaunchOptions
 from ._output import OutputRouter
-from ._plan import LaunchPlan, check_arguments
+from ._plan import LaunchPlan
 from ._result import LaunchResult
 from ._supervisor import RunResult, Supervisor
 from ._tracebacks import ipython_shell
-from ._transport import Transport, transport_for
+from ._transport import Transport, open_supervised, prepare
 
 
 def notebook_launcher(
@@ -69,7 +70,8 @@ def notebook_launcher(
     Args:
         function: the function every rank runs; defined in a cell is fine.
         args: positional arguments for ``function`` (a tuple or list).
-        num_processes: ranks on this machine. ``None``: one per visible GPU.
+        num_processes: how many ranks: on this machine, or with ``cluster=`` on all its
+            nodes. ``None``: one per visible GPU (on this machine).
         mixed_precision: ``"no"``, ``"fp16"`` or ``"bf16"``; reaches ``Accelerator()`` and
             :func:`nb_dist.mixed_precision` in the ranks.
         use_port: rendezvous port; ``None`` picks a free one. Required with ``num_nodes > 1``.
@@ -162,9 +164,7 @@ def notebook_launcher(
         monitor=monitor, rendezvous_timeout=rendezvous_timeout, warm_imports=warm_imports,
         rich_output=rich_output, debug=debug,
     )  # fmt: skip
-    plan = check_arguments(function, args, options)
-    transport = transport_for(cluster)  # where the ranks run: this machine or a cluster's
-    plan = transport.decide(plan)
+    transport, plan = prepare(function, args, options, cluster)
     live_view = open_live_view(list(plan.ranks)) if plan.monitor else None
     try:
         outcome, logs, port, restarts = _run_attempts(transport, plan, live_view)
@@ -222,20 +222,18 @@ def _run_attempts(
 def _run_attempt(
     transport: Transport,
     plan: LaunchPlan,
-    number: int,
+    attempt: int,
     router: OutputRouter,
     live_view: Observer | None,
 ) -> tuple[RunResult, int]:
     """One attempt, wherever its ranks run: (its result, the rendezvous port)."""
     __tracebackhide__ = True
-    envs, host = transport.open(plan, number)
+    supervisor, port = open_supervised(
+        transport, plan, attempt,
+        lambda envs, host: Supervisor(plan, envs, router, live_view, host),
+    )  # fmt: skip
     try:
-        supervisor = Supervisor(plan, envs, router, live_view, host)
-    except BaseException:
-        host.close()
-        raise
-    try:
-        return supervisor.run(), int(envs[0]["MASTER_PORT"])  # run() closes the host
+        return supervisor.run(), port  # run() closes the host
     finally:
         router.finish()
         if plan.warm_imports:  # what the ranks imported, for the next launch (fork only)

@@ -1,7 +1,7 @@
 """The local transport: a launch's ranks on this machine (``_transport.py``'s default).
 
-Runs in the kernel. :meth:`LocalTransport.decide` is :func:`decide_here` (this machine's
-devices, the threads fork can give, the function shipped for spawn and forkserver);
+Runs in the kernel. :meth:`LocalTransport.decide` is :func:`decide_here` (the kernel's
+state, this machine's devices: how many ranks, GPUs or not);
 :meth:`LocalTransport.open` opens the kernel's store, scratch folder and environments
 (``_run_setup.RunSetup``) for one attempt or one start of live ranks, and gives them to a
 :class:`LocalHost`, which starts the ranks (:func:`start_all`) and frees all of it when the
@@ -18,45 +18,45 @@ ends, the lifeline's and the gate's write ends), or EOF would never come.
 
 from __future__ import annotations
 
-import dataclasses
 import multiprocessing
 import os
 from collections.abc import Callable
 from multiprocessing.connection import Connection
+from multiprocessing.context import BaseContext
 
 from .._rank._spec import RankSpec
 from .._starter import _processes
-from .._starter._run_parts import gated_start, held_fds, hold_out_of_forks
-from . import _openmp, _plan, _ports, _preflight, _warm
-from ._plan import LaunchPlan
+from .._starter._run_parts import Gate, held_fds, hold_out_of_forks
+from . import _openmp, _ports, _preflight
+from ._arguments import Asked
+from ._plan import LaunchPlan, Where
 from ._rank_handle import Rank
-from ._run_setup import RunSetup
+from ._run_setup import RunSetup, rank_spec
 
 #: Builds one rank's spec from its local rank and the kernel-side fds it must close.
 SpecFor = Callable[[int, list[int]], RankSpec]
 
 
 def start_all(method: str, ranks: list[Rank], spec_for: SpecFor) -> Connection:
-    """Start every rank, then open the gate; the lifeline's write end, for the kernel to keep.
+    """Start every rank, then open the gate (``_processes.start_ranks``); the lifeline's
+    write end, for the kernel to keep. A forked rank is told every kernel-side end it
+    inherited, to close: other ranks' pipes, the gate's and the lifeline's write ends."""
 
-    If a rank cannot start (or an interrupt arrives), the ranks already started are killed
-    while they still wait at the gate, so none runs the function (``_run_parts.gated_start``).
-    """
-    context = _processes.forkserver_context() if method == "forkserver" else None
+    def start_one(index: int, gate: Gate, context: BaseContext | None) -> None:
+        rank = ranks[index]
+        theirs = rank.open_pipes()
+        kernel_fds = [c.fileno() for r in ranks for c in r.kernel_ends()]
+        kernel_fds += [*gate.starter_fds(), *held_fds()]
+        spec = spec_for(rank.index, kernel_fds)
+        rank.attach(_processes.start_on_pipes(method, spec, theirs, gate, context))
 
     def kill_started() -> None:
         for rank in ranks:
             rank.kill()
 
-    with gated_start(kill_started) as gate:
-        kernel_ends = [*gate.starter_fds(), *held_fds()]
-        for rank in ranks:
-            theirs = rank.open_pipes()
-            kernel_fds = [c.fileno() for r in ranks for c in r.kernel_ends()] + kernel_ends
-            spec = spec_for(rank.index, kernel_fds)
-            rank.attach(_processes.start_on_pipes(method, spec, theirs, gate, context))
-    hold_out_of_forks([gate.lifeline, *(c for rank in ranks for c in rank.kernel_ends())])
-    return gate.lifeline
+    lifeline = _processes.start_ranks(method, len(ranks), start_one, kill_started)
+    hold_out_of_forks([lifeline, *(c for rank in ranks for c in rank.kernel_ends())])
+    return lifeline
 
 
 class LocalHost:
@@ -74,7 +74,7 @@ class LocalHost:
             _openmp.release_pool()  # a restart forks again, and the kernel may have a pool again
 
         def spec_for(index: int, kernel_fds: list[int]) -> RankSpec:
-            return plan.rank_spec(index, envs[index], kernel_fds)
+            return rank_spec(plan, index, envs[index], kernel_fds)
 
         lifeline = start_all(plan.start_method, ranks, spec_for)
         # Who may hold a port later: a busy port held by one of these is named as ours.
@@ -98,30 +98,24 @@ RENDEZVOUS_TIMEOUT = 20.0
 _MULTI_NODE_RENDEZVOUS = 300.0
 
 
-def decide_here(plan: LaunchPlan) -> LaunchPlan:
-    """Steps 4 and 5 of ``_plan``'s order on the checked plan, for ranks on this machine:
-    the kernel's state, then its devices (how many ranks, GPUs or not); then
-    ``_plan.place``'s rules for every transport (start method, threads, shipping)."""
+def decide_here(asked: Asked) -> Where:
+    """Steps 4 and 5 of ``_plan``'s order for ranks on this machine: the kernel's state,
+    then its devices (how many ranks, GPUs or not)."""
     _preflight.check_process_group()  # 4. The kernel's state.
     _preflight.check_accelerate_state()
     # 5. Devices.
-    use_gpu, nprocs, device_notice = _devices(plan.device, plan.asked_processes, plan.start_method)
-    here = _plan.Where(
-        ranks=tuple(plan.node_rank * nprocs + local for local in range(nprocs)),
-        world_size=nprocs * plan.num_nodes,
-        num_nodes=plan.num_nodes,
+    use_gpu, nprocs, device_notice = _devices(asked.device, asked.num_processes, asked.start_method)
+    return Where(
+        ranks=tuple(asked.node_rank * nprocs + local for local in range(nprocs)),
+        world_size=nprocs * asked.num_nodes,
+        num_nodes=asked.num_nodes,
         use_gpu=use_gpu,
         cores_per_rank=_cores() // nprocs,
         # e.g. Windows: no fork; spawn ships the function with cloudpickle
         instead_of_fork=None if "fork" in multiprocessing.get_all_start_methods() else "spawn",
-        auto_rendezvous=RENDEZVOUS_TIMEOUT if plan.num_nodes == 1 else _MULTI_NODE_RENDEZVOUS,
+        auto_rendezvous=RENDEZVOUS_TIMEOUT if asked.num_nodes == 1 else _MULTI_NODE_RENDEZVOUS,
         notices=(device_notice,) if device_notice else (),
     )
-    placed = _plan.place(plan, here)
-    # Warm relaunches were switched off in this kernel: said once, by the first fork launch
-    # that asked for them and was not refused (a refusal or a spawn launch keeps it).
-    notice = _warm.take_notice() if plan.warm_imports and placed.start_method == "fork" else None
-    return dataclasses.replace(placed, notices=(*placed.notices, notice)) if notice else placed
 
 
 def _devices(device: str, num_processes: int | None, method: str) -> tuple[bool, int, str | None]:
@@ -186,12 +180,12 @@ class LocalTransport:
     """Ranks on this machine: the :class:`~_transport.Transport` of every launch without
     ``cluster=``."""
 
-    def decide(self, plan: LaunchPlan) -> LaunchPlan:
-        return decide_here(plan)
+    def decide(self, asked: Asked) -> Where:
+        return decide_here(asked)
 
-    def open(self, plan: LaunchPlan, number: int) -> tuple[list[dict[str, str]], LocalHost]:
-        setup = RunSetup(plan, number, "nb_dist_ranks_" if plan.session else "nb_dist_run_")
-        return setup.envs, LocalHost(setup, restart=number > 0)
+    def open(self, plan: LaunchPlan, attempt: int) -> tuple[list[dict[str, str]], LocalHost]:
+        setup = RunSetup(plan, attempt, "nb_dist_ranks_" if plan.session else "nb_dist_run_")
+        return setup.envs, LocalHost(setup, restart=attempt > 0)
 
     def interrupted(self) -> None:
         pass  # the ranks are stopped; the fork server and warm imports stay as they are

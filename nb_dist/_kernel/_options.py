@@ -1,9 +1,10 @@
 """A launch's options as the caller gave them: one typed, keyword-only object.
 
 ``notebook_launcher`` and ``Ranks`` build a :class:`LaunchOptions` by keyword from their
-signatures; ``_plan.check_arguments`` checks its fields in the signature's order and
-the transport's ``decide`` finishes the plan. No option travels by position, so two options of the
-same type cannot be swapped by a caller. Runs in the kernel.
+signatures; ``_arguments.check_arguments`` checks its fields in the signature's order, the
+transport's ``decide`` says where the ranks go and ``_plan.plan_on`` finishes the plan. No
+option travels by position, so two options of the same type cannot be swapped by a caller.
+Runs in the kernel.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from typing import Any
 
 from .._shared import _collectives, _protocol, _values
 from .._shared._reporting import ReportEntry, Reports
-from .._starter._processes import RankProcess, signal_name
+from .._starter._processes import REAP_WITHIN, RankProcess, reap_by, signal_name
 from .._starter._run_parts import open_rank_pipes
 from ._diagnosis import Frame, RendezvousView, StuckRank, ended_without_value
 from ._errors import RankOutcome, RankStatus
@@ -123,14 +123,16 @@ class Rank:
         self.outcome.pid = process.pid
         self.clock_offset = clock_offset
 
-    def kill(self, stop: bool = True) -> None:
+    def kill(self, stop: bool = True, by: float | None = None) -> None:
         """Kill and reap the rank's process if it still runs (``stop``: as the kernel's own
-        stop, not a failure of the rank), noting its exit code and when it ended."""
+        stop, not a failure of the rank), noting its exit code and when it ended; ``by``:
+        the deadline (``time.monotonic``) of a teardown of several ranks."""
         if not self.alive or self.process is None:
             return
         if stop:
             self.request_stop()
-        self.returncode = self.process.kill_and_reap()
+        within = REAP_WITHIN if by is None else reap_by(by)
+        self.returncode = self.process.kill_and_reap(within)
         self.exited_at = time.monotonic()
 
     def note_exit(self, code: int, now: float) -> None:

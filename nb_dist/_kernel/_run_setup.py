@@ -1,8 +1,9 @@
 """What one attempt's ranks share in the kernel: the store, a scratch folder, their environments.
 
-Each rank's environment is decided here for every transport (:func:`rank_env`: torchrun's
-variables, nb_dist's hand-offs, the rank's error file and collective counter); a cluster
-adds its node's layout on top.
+Each rank's environment (:func:`rank_env`: torchrun's variables, nb_dist's hand-offs, the
+rank's error file and collective counter; a cluster adds its node's layout on top) and what
+it is told at its start (:func:`rank_spec`) are decided here, from the plan, for every
+transport.
 
 A launch opens one :class:`RunSetup` per try (restarts open another); live ranks open one per
 start and keep it until they stop. Either way the kernel hosts the rendezvous store (on node
@@ -15,8 +16,10 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import sys
 from typing import Any
 
+from .._rank._spec import RankSpec
 from .._shared._net import is_loopback
 from .._starter._run_parts import rank_files, scratch_folder
 from . import _ports
@@ -26,7 +29,7 @@ from ._plan import LaunchPlan
 class RunSetup:
     """The store, folder and per-rank environments of one attempt; :meth:`close` frees them."""
 
-    def __init__(self, plan: LaunchPlan, number: int, folder_prefix: str) -> None:
+    def __init__(self, plan: LaunchPlan, attempt: int, folder_prefix: str) -> None:
         self.store: Any = None
         self.folder: str | None = scratch_folder(folder_prefix)
         try:
@@ -38,7 +41,7 @@ class RunSetup:
                 )
             self.port: int = self.store.port if self.store is not None else plan.port or 0
             self.envs = [
-                rank_env(plan, local, self.port, number, self.folder)
+                rank_env(plan, local, self.port, attempt, self.folder)
                 for local in range(plan.nprocs)
             ]
         except BaseException:
@@ -135,3 +138,36 @@ def _loopback_interface() -> str | None:
         if candidate in names:
             return candidate
     return None
+
+
+def rank_spec(
+    plan: LaunchPlan,
+    index: int,
+    env: dict[str, str],
+    close_fds: list[int],
+    local_rank: int | None = None,
+) -> RankSpec:
+    """What the rank at ``index`` (among the plan's ranks) is told: its rank, its
+    ``LOCAL_RANK`` (``index`` on this machine; on a cluster, its place on its node), its
+    environment, and the function (or its bytes)."""
+    shipped = plan.payload is not None
+    return RankSpec(
+        rank=plan.ranks[index],
+        local_rank=index if local_rank is None else local_rank,
+        env=env,
+        threads=plan.threads,
+        init_process_group=plan.init_process_group,
+        backend=plan.backend,
+        use_gpu=plan.use_gpu,
+        parent_pid=os.getpid(),
+        check_parent=plan.start_method != "forkserver",
+        function=None if shipped else plan.function,
+        args=() if shipped else plan.args,
+        payload=plan.payload,
+        linecache_entries=plan.linecache_entries,
+        sys_path=list(sys.path) if shipped else [],
+        close_fds=close_fds,
+        report_imports=plan.warm_imports,
+        session=plan.session,
+        debug=plan.debug,
+    )

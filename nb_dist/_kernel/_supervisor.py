@@ -29,6 +29,7 @@ from typing import Any, Protocol, TypeVar
 from .._shared import _protocol
 from .._shared._protocol import COLLECTIVES_ENV
 from .._shared._reporting import Reports
+from .._starter._processes import REAP_WITHIN
 from .._starter._run_parts import DRAIN_AFTER_EXIT
 from . import _diagnosis, _prompts, _watchdogs
 from ._errors import LaunchError as _LaunchError
@@ -421,8 +422,15 @@ class Supervisor:
         if not self.read_until(
             lambda: all(rank.finished for rank in ranks), DRAIN_AFTER_EXIT + STOP_GRACE
         ):
+            # Every group killed at once, then all reaped by one deadline: a teardown waits
+            # REAP_WITHIN at most, however many ranks are stuck.
             for rank in ranks:
-                rank.kill()
+                if rank.alive and rank.process is not None:
+                    rank.request_stop()
+                    rank.process.send_signal(signal.SIGKILL)
+            deadline = time.monotonic() + REAP_WITHIN
+            for rank in ranks:
+                rank.kill(by=deadline)
                 if not rank.finished:
                     self._finalize(rank)
         for rank in ranks:

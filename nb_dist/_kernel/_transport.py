@@ -3,9 +3,9 @@
 Runs in the kernel. Every launch and every set of live ranks goes through a transport at the
 same three points, and nothing else in the kernel asks where the ranks run:
 
-- :meth:`Transport.decide` finishes the checked plan for where the ranks go (this machine:
-  its devices, the threads fork can give, the function shipped for spawn; a cluster: its
-  placement and nodes, the function shipped by value);
+- :meth:`Transport.decide` says where the checked launch's ranks go (this machine: the
+  kernel's state and its devices; a cluster: its placement and nodes, the function shipped
+  by value), and :func:`prepare` applies ``_plan.plan_on``'s rules to that, for both;
 - :meth:`Transport.open` gives one attempt's ranks (or a live session's) their
   environments, with the rendezvous store opened for them, and the ``RankHost`` the
   kernel's own ``Supervisor`` starts and ends them through: the launch and ``nb_dist.Ranks``
@@ -21,12 +21,15 @@ one (:func:`transport_for`), so the kernel never imports a cluster engine.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
+from ._arguments import Asked, check_arguments
 from ._local import LocalTransport
+from ._options import LaunchOptions
+from ._plan import LaunchPlan, Where, plan_on
 
 if TYPE_CHECKING:
-    from ._plan import LaunchPlan
     from ._supervisor import RankHost
 
 
@@ -34,16 +37,15 @@ if TYPE_CHECKING:
 class Transport(Protocol):
     """Where a launch's ranks run, and what starting them there takes."""
 
-    def decide(self, plan: LaunchPlan) -> LaunchPlan:
-        """The final plan from the checked one (what the caller asked is in its fields:
-        ``asked_*``, ``rendezvous_auto``, ``placed_by_hand``): where the ranks go, then
-        ``_plan.place``'s rules; raises what refuses the launch."""
+    def decide(self, asked: Asked) -> Where:
+        """Where the ranks of the checked launch go (how many, on which nodes, GPUs or not,
+        what ``"fork"`` becomes there); raises what refuses the launch."""
         ...
 
-    def open(self, plan: LaunchPlan, number: int) -> tuple[list[dict[str, str]], RankHost]:
-        """Attempt ``number``'s (or a live session's) ranks: each one's environment (the
-        rendezvous store opened for them) and the host the supervisor starts them through;
-        the host's ``close`` frees what this opened."""
+    def open(self, plan: LaunchPlan, attempt: int) -> tuple[list[dict[str, str]], RankHost]:
+        """The ranks of ``attempt`` (0, then one more per restart; or a live session's):
+        each one's environment (the rendezvous store opened for them) and the host the
+        supervisor starts them through; the host's ``close`` frees what this opened."""
         ...
 
     def interrupted(self) -> None:
@@ -64,3 +66,40 @@ def transport_for(cluster: object) -> Transport:
             "cluster=None to run them on this machine."
         )
     return cluster
+
+
+def prepare(
+    function: Callable[..., Any],
+    args: Sequence[Any],
+    options: LaunchOptions,
+    cluster: object,
+    session: bool = False,
+) -> tuple[Transport, LaunchPlan]:
+    """The one way a launch (and a start of live ranks) is planned: every argument checked
+    (``_arguments``), the transport of ``cluster=`` says where the ranks go, and
+    ``_plan.plan_on`` applies the rules every transport shares. Nothing has started."""
+    asked = check_arguments(function, args, options, session=session)
+    transport = transport_for(cluster)  # where the ranks run: this machine or a cluster's
+    return transport, plan_on(asked, transport.decide(asked))
+
+
+_Supervisor = TypeVar("_Supervisor")
+
+
+def open_supervised(
+    transport: Transport,
+    plan: LaunchPlan,
+    attempt: int,
+    supervisor_for: Callable[[list[dict[str, str]], RankHost], _Supervisor],
+) -> tuple[_Supervisor, int]:
+    """The ranks of ``attempt`` opened through ``transport`` (their environments, the store
+    opened) and the supervisor built over them (``supervisor_for(envs, host)``: a launch's,
+    or a live session's); the host is closed again if the supervisor cannot be built. The
+    supervisor, and the rendezvous port (0 where there is none)."""
+    envs, host = transport.open(plan, attempt)
+    try:
+        supervisor = supervisor_for(envs, host)
+    except BaseException:
+        host.close()
+        raise
+    return supervisor, int(envs[0].get("MASTER_PORT", 0)) if envs else 0

@@ -3,16 +3,16 @@
 Where a launch is one function, start to finish, a :class:`Ranks` session keeps its
 ranks (and their process group) alive, so a walkthrough can go one step per cell: build
 the model on every rank, look at each rank's gradients, all-reduce, look again. The ranks
-are the launcher's ranks, started and watched by the same pieces (``_plan`` checks,
-``_local``, the supervisor's loop, ``_diagnosis``), serving tasks (``_serve.py``) under a
-:class:`~_session.SessionSupervisor`; every cell inherits the launcher's contract: labelled
-output in the cell, root causes, timeouts with stacks, interrupts, no orphans.
+are the launcher's ranks, started and watched by the same pieces (``_transport.prepare``
+plans them, the transport opens them, the supervisor's loop, ``_diagnosis``), serving
+tasks (``_serve.py``) under a :class:`~_session.SessionSupervisor`; every cell inherits the
+launcher's contract: labelled output in the cell, root causes, timeouts with stacks,
+interrupts, no orphans.
 """
 
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import itertools
 import linecache
 import os
@@ -26,9 +26,9 @@ from .._kernel._errors import LaunchError
 from .._kernel._observer import open_live_view
 from .._kernel._options import LaunchOptions
 from .._kernel._output import OutputRouter
-from .._kernel._plan import LaunchPlan, check_arguments
+from .._kernel._plan import LaunchPlan
 from .._kernel._result import LaunchResult
-from .._kernel._transport import Transport, transport_for
+from .._kernel._transport import Transport, open_supervised, prepare
 from .._shared import _protocol, _shipping
 from .._shared._protocol import RESERVED
 from . import _export
@@ -67,7 +67,8 @@ class Ranks:
     ranks die with the kernel.
 
     Args:
-        num_processes: ranks on this machine (``None``: one per visible GPU).
+        num_processes: how many ranks (``None``: one per visible GPU on this machine; with
+            ``cluster=``, the ranks on all its nodes).
         mixed_precision, device, threads_per_process, output, rich_output, start_method,
         use_port, master_addr, rendezvous_timeout, log_line_prefix_template: as for
             :func:`~nb_dist.notebook_launcher`. ``start_method="spawn"`` ranks start from an
@@ -119,9 +120,7 @@ class Ranks:
             rendezvous_timeout=rendezvous_timeout, warm_imports=False, rich_output=rich_output,
             debug=debug,
         )  # fmt: skip
-        checked = check_arguments(_idle, (), self._options)
-        self._transport = transport_for(cluster)  # this machine, or cluster='s nodes
-        self._checked = dataclasses.replace(checked, session=True)
+        self._cluster = cluster  # this machine (None), or cluster='s nodes
         # What runs (the ranks, the store): held apart from this object, so that a Ranks
         # dropped without close() is stopped at the next launch, not in a finalizer.
         self._held = _Held()
@@ -130,7 +129,7 @@ class Ranks:
         self._history = _export.History()
         self.restarts = 0
         self._cell_number = 0  # names the source of each exec() for tracebacks
-        self._start()
+        self._start()  # the arguments are checked here, before anything starts
         self._started_order = next(_order)
         _open_sessions.add(self)
 
@@ -138,21 +137,18 @@ class Ranks:
     def _start(self) -> None:
         __tracebackhide__ = True
         _prompts.release_all()
-        plan = self._transport.decide(self._checked)
+        self._transport, plan = prepare(_idle, (), self._options, self._cluster, session=True)
         self.plan: LaunchPlan = plan
         router = self._router()
         for text in plan.notices:
             router.notice(text)
         # Where the ranks run: their environments (the store opened) and the host that
         # starts them and, when the session closes, frees what open() opened.
-        envs, host = self._transport.open(plan, self.restarts)
-        try:
-            supervisor = SessionSupervisor(plan, envs, router, host)
-        except BaseException:
-            host.close()
-            raise
+        supervisor, self._port = open_supervised(
+            self._transport, plan, self.restarts,
+            lambda envs, host: SessionSupervisor(plan, envs, router, host),
+        )  # fmt: skip
         supervisor.start()  # on failure it closes itself (its host too) and raises
-        self._port = int(envs[0].get("MASTER_PORT", 0)) if envs else 0
         self._held.supervisor = supervisor
         self._history.started(plan)
 

@@ -108,8 +108,6 @@ class SessionSupervisor:
         #: The supervisor loop that starts, reads, watches and stops the ranks; between
         #: tasks (and while they start) its run watches every rank under ``_BETWEEN``.
         self.loop = Supervisor(plan, envs, router, None, host, policy=_BETWEEN)
-        #: The loop's run now going on: a task's, or the time between tasks (``_begin``).
-        self.run: Run = self.loop.current
         self.task_count = 0
         self._marks = _TaskMarks()
         #: Why the ranks were stopped, once they were (the session's state is gone).
@@ -120,7 +118,7 @@ class SessionSupervisor:
         #: How many times the default group was formed again (``_release``): its store prefix.
         self._generation = 0
         #: Reports accumulate over the session's tasks (``result.reports`` holds them all).
-        self._reports = self.run.reports
+        self._reports = self.current.reports
 
     # ----------------------------------------------------------------- life
     def start(self) -> None:
@@ -129,7 +127,7 @@ class SessionSupervisor:
         try:
             self.loop.start_and_watch()
             self.loop.result()  # raises if a rank could not start
-            self.run.router.finish()
+            self.current.router.finish()
         except BaseException:
             self.close()
             raise
@@ -142,7 +140,7 @@ class SessionSupervisor:
         observer: Observer | None = None,
     ) -> None:
         """A fresh run of the loop (and fresh marks) over ``ranks``; the reports carry on."""
-        self.run = self.loop.begin_run(ranks, router, policy, self._reports, observer)
+        self.loop.begin_run(ranks, router, policy, self._reports, observer)
         self._marks = _TaskMarks()
 
     def close(self) -> None:
@@ -153,11 +151,16 @@ class SessionSupervisor:
         for rank in self.ranks:
             if rank.commands is not None and not rank.commands.closed:
                 rank.commands.close()  # EOF: the rank's loop ends
-        self._begin(self.ranks, self.run.router, _BETWEEN)
+        self._begin(self.ranks, self.current.router, _BETWEEN)
         self.loop.read_until(lambda: not any(rank.alive for rank in self.ranks), CLOSE_GRACE)
         for rank in self.ranks:
             rank.kill()
         self.loop.close()
+
+    @property
+    def current(self) -> Run:
+        """The loop's run now going on: a task's, or the time between tasks (``_begin``)."""
+        return self.loop.current
 
     @property
     def ranks(self) -> list[Rank]:
@@ -223,7 +226,7 @@ class SessionSupervisor:
         self.task_count += 1
         self._freed = ""
         try:
-            for rank in self.run.ranks:
+            for rank in self.current.ranks:
                 rank.begin_task()
                 self.loop.set_status(rank, "running")
                 rank.task_sent(command_for(rank))
@@ -235,7 +238,7 @@ class SessionSupervisor:
             if timed_out:
                 raise self._task_timeout(timeout or 0.0)
             self.loop.read(0.0)  # output written just before the last Idle
-            for rank in self.run.ranks:
+            for rank in self.current.ranks:
                 for kind, splitter in rank.splitters.items():
                     router.lines(rank.index, kind, splitter.flush())
             return self.loop.result()
@@ -256,7 +259,7 @@ class SessionSupervisor:
     def _on_task_failure(self) -> None:
         """A task's policy: a dead rank ends the session; a failed one gets the others
         interrupted, and a rank no interrupt reaches ends the session."""
-        dead = [rank for rank in self.run.ranks if not rank.alive and not rank.stop_requested]
+        dead = [rank for rank in self.current.ranks if not rank.alive and not rank.stop_requested]
         if dead and self.lost is None:
             who = dead[0]
             self.lost = Lost(
@@ -266,14 +269,15 @@ class SessionSupervisor:
             )
             self.loop.stop_for_failure()
             return
-        failed = any(rank.failure is not None for rank in self.run.ranks)
+        failed = any(rank.failure is not None for rank in self.current.ranks)
         if not failed or self.lost is not None:
             return
-        now = time.monotonic() - self.run.paused_for  # the task's clock
+        now = time.monotonic() - self.current.paused_for  # the task's clock
         if self._marks.failed_at is None:
             self._marks.failed_at = now
         # The failed rank itself is finishing (its Idle, or its post-mortem) on its own.
-        running = [rank for rank in self.run.ranks if not rank.finished and rank.failure is None]
+        in_task = self.current.ranks
+        running = [rank for rank in in_task if not rank.finished and rank.failure is None]
         phase = _watchdogs.after_failure(self._marks.failed_at, now)
         if running and phase == "interrupt":
             self._interrupt(running)
@@ -373,7 +377,7 @@ class SessionSupervisor:
     def _check_skipped_collective(self) -> None:
         """End the cell when the counts prove a deadlock (``_diagnosis.skipped_collective``)
         that has looked the same for ``DEADLOCK_SETTLE`` s: no rank can leave it."""
-        run = self.run
+        run = self.current
         if self.lost is not None or run.failure_seen or self._marks.failed_at is not None:
             return
         if any(rank.failure is not None for rank in run.ranks):
@@ -441,7 +445,8 @@ class SessionSupervisor:
 
     def _settle_interrupted(self) -> list[Rank]:
         """Interrupt the running ranks and wait for them; those that did not stop."""
-        return self._settle([rank for rank in self.run.ranks if not rank.finished and rank.alive])
+        in_task = self.current.ranks
+        return self._settle([rank for rank in in_task if not rank.finished and rank.alive])
 
     def _settle(self, running: list[Rank]) -> list[Rank]:
         """Interrupt ``running`` and wait until each is idle again; those that are not."""
@@ -458,8 +463,8 @@ class SessionSupervisor:
         try:
             stuck = self._settle_interrupted()
         except KeyboardInterrupt:  # a second interrupt: no more waiting
-            stuck = [rank for rank in self.run.ranks if not rank.finished]
-        ranks = ", ".join(str(rank.outcome.rank) for rank in self.run.ranks)
+            stuck = [rank for rank in self.current.ranks if not rank.finished]
+        ranks = ", ".join(str(rank.outcome.rank) for rank in self.current.ranks)
         if stuck:
             names = ", ".join(str(rank.outcome.rank) for rank in stuck)
             self._free_or_stop(
@@ -479,7 +484,7 @@ class SessionSupervisor:
         return LaunchInterrupted(text)
 
     def _task_timeout(self, timeout: float) -> LaunchTimeoutError:
-        live = [rank for rank in self.run.ranks if rank.alive and not rank.finished]
+        live = [rank for rank in self.current.ranks if rank.alive and not rank.finished]
         frames = self.loop.stacks(live)
         text, stacks = _diagnosis.timeout_report(
             timeout, self.loop.stuck_views(live, frames), "cell"
@@ -494,7 +499,7 @@ class SessionSupervisor:
                 "session was restarted with fresh ranks and every rank's state was lost.",
             )
         text += "\n\n" + self._note()
-        outcomes = [rank.outcome for rank in self.run.ranks]
+        outcomes = [rank.outcome for rank in self.current.ranks]
         error = LaunchTimeoutError(text, timeout, stacks, outcomes, self.loop.logs())
         return self.loop.with_reports(error)
 

@@ -28,6 +28,7 @@ import time
 import types
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
+from multiprocessing.context import BaseContext
 from typing import Any
 
 from .._rank import _regroup
@@ -38,7 +39,6 @@ from .._starter import _processes
 from .._starter._run_parts import (
     DRAIN_AFTER_EXIT,
     Gate,
-    gated_start,
     host_store,
     open_rank_pipes,
     rank_files,
@@ -146,11 +146,13 @@ class NodeAgent:
             self._end_ranks()
             self._run, self._outbox = run, Outbox(run)
             self._folder = scratch_folder("nb_dist_node_")
-            context = _processes.forkserver_context(True) if method == "forkserver" else None
-            with gated_start(self._end_ranks) as gate:
-                self._lifeline = gate.lifeline  # _end_ranks closes it
-                for spec in specs:
-                    self._ranks.append(self._start_one(spec, method, context, gate))
+
+            def start_one(index: int, gate: Gate, context: BaseContext | None) -> None:
+                self._ranks.append(self._start_one(specs[index], method, context, gate))
+
+            self._lifeline = _processes.start_ranks(  # _end_ranks closes it
+                method, len(specs), start_one, self._end_ranks, preload=True
+            )
             self._stop_reading = threading.Event()
             self._reader = threading.Thread(
                 target=self._read, args=(self._ranks, self._outbox, self._stop_reading),
@@ -163,7 +165,7 @@ class NodeAgent:
         self,
         spec: RankSpec,
         method: str,
-        context: Any,
+        context: BaseContext | None,
         gate: Gate,
     ) -> _Local:
         assert self._folder is not None
@@ -246,14 +248,16 @@ class NodeAgent:
         ranks = list(self._ranks) if run == self._run else []
         return _regroup.endpoints(local.process.pid for local in ranks)
 
-    def kill_and_reap(self, run: int, index: int) -> tuple[int, bool]:
-        """SIGKILL the rank's group and reap it: its exit code, and whether it had ended
-        before any signal to stop it."""
+    def kill_and_reap(
+        self, run: int, index: int, within: float = _processes.REAP_WITHIN
+    ) -> tuple[int, bool]:
+        """SIGKILL the rank's group and reap it (waiting ``within`` s at most): its exit
+        code, and whether it had ended before any signal to stop it."""
         local = self._rank(run, index)
         if local is None:
             return -signal.SIGKILL, False
         with local.lock:
-            code = local.process.kill_and_reap()
+            code = local.process.kill_and_reap(within)
             return code, local.process.ended_unasked()
 
     def end_run(self, run: int) -> None:
@@ -275,9 +279,13 @@ class NodeAgent:
         if self._reader is not None:
             self._reader.join(timeout=2.0)
             self._reader = None
+        for local in self._ranks:  # every group killed at once, then reaped by one deadline
+            with local.lock:
+                local.process.send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + _processes.REAP_WITHIN
         for local in self._ranks:
             with local.lock:
-                local.process.kill_and_reap()
+                local.process.kill_and_reap(_processes.reap_by(deadline))
             for conn in (*local.readers.values(), local.commands):
                 conn.close()
         self._ranks = []

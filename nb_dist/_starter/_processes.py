@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.context import BaseContext
 from typing import Any, Protocol
@@ -34,7 +35,12 @@ from typing import Any, Protocol
 from .._rank._entry import forkserver_main, run_rank
 from .._rank._spec import RankChannels, RankSpec
 from .._shared._frames import PACKAGE_DIR
-from ._run_parts import Gate
+from ._run_parts import Gate, gated_start
+
+#: How long a killed rank may take to be reaped before it is reported and left behind (a
+#: process in uninterruptible sleep, e.g. a wedged driver or file system, ignores SIGKILL
+#: until the kernel call returns: waiting for it would wedge the cell).
+REAP_WITHIN = 5.0
 
 
 class RankProcess(Protocol):
@@ -68,8 +74,10 @@ class RankProcess(Protocol):
         (``nb_dist._cluster``), never by its pid here.
         """
 
-    def kill_and_reap(self) -> int:
-        """SIGKILL the group and wait for the rank; its exit code."""
+    def kill_and_reap(self, within: float = REAP_WITHIN) -> int:
+        """SIGKILL the group and wait up to ``within`` s for the rank; its exit code (the
+        kill's, reported and left behind, if it is still not reaped then). Whoever ends
+        several ranks gives each the time left of one shared deadline (``reap_by``)."""
 
 
 def start(
@@ -79,7 +87,7 @@ def start(
     if method == "fork":
         return _Forked(_fork(spec, channels))
     if method == "spawn":
-        return _Spawned(_spawn(spec, channels))
+        return spawned(_spawn(spec, channels))
     assert context is not None
     process = context.Process(  # type: ignore[attr-defined]
         target=forkserver_main, args=(spec, channels), name=f"nb_dist-rank{spec.rank}"
@@ -104,6 +112,34 @@ def start_on_pipes(
             conn.close()
 
 
+#: Starts the rank at ``index`` behind the start gate, with the fork server's context where
+#: the method is forkserver (by :func:`start_on_pipes`), for :func:`start_ranks`.
+StartOne = Callable[[int, Gate, BaseContext | None], None]
+
+
+def start_ranks(
+    method: str,
+    count: int,
+    start_one: StartOne,
+    kill_started: Callable[[], None],
+    preload: bool | None = None,
+) -> Connection:
+    """Start ``count`` ranks (``start_one(index, gate, context)``), every one before the
+    start gate opens; the lifeline's write end, for the starter to keep (its only copy).
+
+    If a rank cannot start (or an interrupt arrives), ``kill_started()`` kills the ranks
+    already started while they still wait at the gate, so none runs user code
+    (``_run_parts.gated_start``). The kernel (``_kernel/_local.start_all``) and a node's agent
+    (``_node/_agent.NodeAgent.start``) both start their ranks this way; ``preload``: as for
+    :func:`forkserver_context`.
+    """
+    context = forkserver_context(preload) if method == "forkserver" else None
+    with gated_start(kill_started) as gate:
+        for index in range(count):
+            start_one(index, gate, context)
+    return gate.lifeline
+
+
 def forkserver_context(preload: bool | None = None) -> BaseContext:
     """multiprocessing's fork server, which imports torch and the rank once, when it starts.
 
@@ -125,8 +161,12 @@ def forkserver_context(preload: bool | None = None) -> BaseContext:
 
 # ------------------------------------------------------------------ the kernel's children
 class _Forked:
-    def __init__(self, pid: int) -> None:
+    """A rank this process started itself (forked, or spawned as a ``Popen``): it reaps it
+    with ``waitpid``; ``on_reaped`` hears the exit code (a ``Popen`` then keeps it)."""
+
+    def __init__(self, pid: int, on_reaped: Callable[[int], None] | None = None) -> None:
         self.pid = pid
+        self._on_reaped = on_reaped
         # Set once reaped: the pid is free for the system to give to another process, so it
         # is never signalled or waited for again, and exit_code() keeps answering (a node's
         # agent asks on every read until the rank's pipes are drained).
@@ -176,12 +216,12 @@ class _Forked:
             raise ProcessLookupError(self.pid)
         os.kill(self.pid, sig)
 
-    def kill_and_reap(self) -> int:
+    def kill_and_reap(self, within: float = REAP_WITHIN) -> int:
         if self._code is not None:
             return self._code
         self._ends.stop_sent(self._has_ended())
         signal_group(self.pid, signal.SIGKILL)
-        code = self._reap(within=REAP_WITHIN)
+        code = self._reap(within=within)
         if code is None:
             report_unreaped(self.pid, REAP_WITHIN)
             return -signal.SIGKILL
@@ -193,19 +233,15 @@ class _Forked:
         if code is None:
             return None
         self._code = -signal.SIGKILL if code == _GONE else code
+        if self._on_reaped is not None:
+            self._on_reaped(self._code)
         return self._code
 
 
-class _Spawned(_Forked):
-    def __init__(self, process: subprocess.Popen[bytes]) -> None:
-        super().__init__(process.pid)
-        self._process = process
-
-    def _reap(self, within: float | None = None) -> int | None:
-        code = super()._reap(within)
-        if code is not None:
-            self._process.returncode = code  # reaped here; keep Popen from waiting again
-        return code
+def spawned(process: subprocess.Popen[bytes]) -> _Forked:
+    """A rank started as a ``Popen``: reaped here like a forked one, and the ``Popen`` told
+    its exit code, so that it never waits for the pid again (the system may reuse it)."""
+    return _Forked(process.pid, on_reaped=lambda code: setattr(process, "returncode", code))
 
 
 class _FromForkserver:
@@ -234,10 +270,10 @@ class _FromForkserver:
     def signal_leader(self, sig: int) -> None:
         os.kill(self.pid, sig)
 
-    def kill_and_reap(self) -> int:
+    def kill_and_reap(self, within: float = REAP_WITHIN) -> int:
         self._ends.stop_sent(self.exit_code() is not None)
         signal_group(self.pid, signal.SIGKILL)
-        self._process.join(timeout=REAP_WITHIN)  # only the server reaps; multiprocessing asks
+        self._process.join(timeout=within)  # only the server reaps; multiprocessing asks
         code = self._process.exitcode
         if code is None:
             report_unreaped(self.pid, REAP_WITHIN)  # as for a rank this kernel forked
@@ -266,12 +302,15 @@ class _Ends:
 
 
 # ------------------------------------------------------------------ reaping
-#: How long a killed rank may take to be reaped before it is reported and left behind (a
-#: process in uninterruptible sleep, e.g. a wedged driver or file system, ignores SIGKILL
-#: until the kernel call returns: waiting for it would wedge the cell).
-REAP_WITHIN = 5.0
 _GONE = -(2**31)  # reap_within: the pid is not (or no longer) a child of this process
 _log = logging.getLogger(__name__)
+
+
+def reap_by(deadline: float) -> float:
+    """The seconds left until ``deadline`` (``time.monotonic``), for one rank of several
+    ended together: the whole teardown then waits ``REAP_WITHIN`` at most, not that for
+    each rank (a rank past the deadline is still killed, and reaped if it has ended)."""
+    return max(0.0, deadline - time.monotonic())
 
 
 def reap_within(pid: int, within: float | None) -> int | None:

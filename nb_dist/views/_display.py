@@ -11,7 +11,7 @@ from __future__ import annotations
 import io
 import math
 import sys
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 from traitlets import HasTraits, Int, TraitError, link
 
@@ -73,6 +73,23 @@ def at_least(proposal: Bunch, minimum: int) -> int:
     return value
 
 
+def one_of(proposal: Bunch, choices: tuple[str, ...]) -> str:
+    """The body of a ``@validate`` handler: ``proposal.value`` if it is one of ``choices``."""
+    value: str = proposal.value
+    if value not in choices:
+        names = ", ".join(repr(c) for c in choices)
+        raise SettingValueError(f"{proposal.trait.name}={value!r} must be one of {names}")
+    return value
+
+
+def between(proposal: Bunch, low: int, high: int) -> int:
+    """The body of a ``@validate`` handler: ``proposal.value`` if ``low <= value <= high``."""
+    value: int = proposal.value
+    if not low <= value <= high:
+        raise SettingValueError(f"{proposal.trait.name}={value!r} must be between {low} and {high}")
+    return value
+
+
 # ---- the views -----------------------------------------------------------------------------
 
 
@@ -113,6 +130,9 @@ class _View(HasTraits):
                 setattr(self, name, value)
 
 
+_V = TypeVar("_V", bound="_WidgetView")
+
+
 class _WidgetView(_View):
     """A view with an ipywidgets ``widget`` (built on first use) and a ``controls`` dict."""
 
@@ -122,10 +142,29 @@ class _WidgetView(_View):
     #: The widget's HTML body, for views that have one (see :meth:`_html_output`).
     _html: HTML
 
+    #: The traits :meth:`update` changes; a change of any redraws the HTML body (views that
+    #: redraw more than that observe their own traits and leave this empty).
+    _settings: ClassVar[tuple[str, ...]] = ()
+
     def __init__(self, **settings: Any) -> None:
         self._widget: VBox | None = None  # first: setting a trait may already refresh
         self._controls: dict[str, DOMWidget] = {}
         super().__init__(**settings)
+        if self._settings:
+            self.observe(self._redraw, names=list(self._settings))
+
+    def _redraw(self, _change: Bunch | None = None) -> None:
+        if self._widget is not None:
+            self._html.value = self._html_view()
+
+    def update(self: _V, **changes: Any) -> _V:
+        """Change several settings at once, by name (``view.update(b=16, s=64)``); the
+        controls follow.
+
+        All the changes are checked first: a refused value leaves every setting as it was.
+        """
+        self._update(changes, self._settings)
+        return self
 
     @property
     def widget(self) -> VBox:

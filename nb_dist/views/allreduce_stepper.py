@@ -29,7 +29,14 @@ from typing import TYPE_CHECKING, Any
 
 from traitlets import CBool, Unicode, observe, validate
 
-from ._display import SettingValueError, StrictInt, _new_figure, _WidgetView, figure_png
+from ._display import (
+    SettingValueError,
+    StrictInt,
+    _new_figure,
+    _WidgetView,
+    between,
+    figure_png,
+)
 from ._html import MONOSPACE, escape, filled, rank_row, table
 from .colors import rank_color
 
@@ -246,10 +253,7 @@ class AllReduceStepper(_WidgetView):
 
     @validate("step")
     def _check_step(self, proposal: Bunch) -> int:
-        step: int = proposal.value
-        if not 0 <= step <= self.num_steps:
-            raise SettingValueError(f"step={step!r} must be between 0 and {self.num_steps}")
-        return step
+        return between(proposal, 0, self.num_steps)
 
     @observe("op")
     def _op_changed(self, _change: Bunch) -> None:

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from traitlets import Unicode, observe, validate
+from traitlets import Unicode, validate
 
-from ._display import SettingValueError, StrictInt, _WidgetView, at_least
+from ._display import StrictInt, _WidgetView, at_least, one_of
 from ._html import MONOSPACE, filled, table
 
 if TYPE_CHECKING:
@@ -123,6 +123,7 @@ class MemoryExplorer(_WidgetView):
     """
 
     _css_class = "nb-dist-memory-explorer"
+    _settings = _SETTINGS
 
     b = StrictInt(8, help="batch size (sequences per rank; a TP group shares one batch)")
     s = StrictInt(32, help="sequence length")
@@ -141,22 +142,9 @@ class MemoryExplorer(_WidgetView):
 
     @validate("precision")
     def _check_precision(self, proposal: Bunch) -> str:
-        value: str = proposal.value
-        if value not in PRECISIONS:
-            raise SettingValueError(f"precision={value!r} must be one of {list(PRECISIONS)}")
-        return value
-
-    @observe(*_SETTINGS)
-    def _refresh(self, _change: Bunch | None = None) -> None:
-        if self._widget is not None:
-            self._html.value = self._html_view()
+        return one_of(proposal, tuple(PRECISIONS))
 
     # ---- model ------------------------------------------------------------------------------
-
-    def update(self, **changes: Any) -> MemoryExplorer:
-        """Change several settings at once; the controls follow."""
-        self._update(changes, _SETTINGS)
-        return self
 
     @property
     def psi(self) -> int:

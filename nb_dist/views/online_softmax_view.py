@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from traitlets import observe, validate
 
-from ._display import SettingValueError, StrictInt, _WidgetView, at_least
+from ._display import StrictInt, _WidgetView, at_least, between
 from ._html import MONOSPACE, table
 from .colors import rank_color
 
@@ -156,10 +156,7 @@ class OnlineSoftmaxView(_WidgetView):
 
     @validate("step")
     def _check_step(self, proposal: Bunch) -> int:
-        value: int = proposal.value
-        if not 0 <= value <= self.num_blocks:
-            raise SettingValueError(f"step={value!r} must be in 0..{self.num_blocks}")
-        return value
+        return between(proposal, 0, self.num_blocks)
 
     @observe("block")
     def _block_changed(self, _change: Bunch) -> None:

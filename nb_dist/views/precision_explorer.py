@@ -29,7 +29,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from traitlets import CFloat, observe
+from traitlets import CFloat
 
 from ._display import _g, _new_figure, _WidgetView
 from ._html import MONOSPACE, escape, table
@@ -38,7 +38,6 @@ if TYPE_CHECKING:
     from ipywidgets import VBox
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
-    from traitlets.utils.bunch import Bunch
 
 __all__ = ["FinfoRow", "PrecisionExplorer", "Representation", "finfo_table", "represent"]
 
@@ -275,6 +274,7 @@ class PrecisionExplorer(_WidgetView):
     """
 
     _css_class = "nb-dist-precision-explorer"
+    _settings = ("value", "factor")
 
     value = CFloat(65000.0, help="the value to store")
     factor = CFloat(2.0, help="also compute value * factor in each dtype")
@@ -282,17 +282,7 @@ class PrecisionExplorer(_WidgetView):
     def __init__(self, value: float = 65000.0, factor: float = 2.0) -> None:
         super().__init__(value=value, factor=factor)
 
-    @observe("value", "factor")
-    def _refresh(self, _change: Bunch | None = None) -> None:
-        if self._widget is not None:
-            self._html.value = self._html_view()
-
     # ---- model ------------------------------------------------------------------------------
-
-    def update(self, **changes: float) -> PrecisionExplorer:
-        """Change ``value`` and/or ``factor``; the controls follow."""
-        self._update(changes, ("value", "factor"))
-        return self
 
     def representations(self) -> dict[str, Representation]:
         """``{dtype: Representation}`` of ``value`` in float32, float16 and bfloat16."""

@@ -20,9 +20,9 @@ consumed in a real launch is :func:`~nb_dist.views.consumed_view.consumed_view`'
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
-from traitlets import CBool, observe, validate
+from traitlets import CBool, validate
 
 from ._display import StrictInt, _new_figure, _short_list, _WidgetView, at_least
 from ._html import MONOSPACE, escape, filled, rank_row
@@ -151,6 +151,7 @@ class ShardExplorer(_WidgetView):
     """
 
     _css_class = "nb-dist-shard-explorer"
+    _settings = _SETTINGS
 
     dataset_len = StrictInt(10, help="number of samples in the dataset")
     world_size = StrictInt(3, help="number of ranks (num_replicas)")
@@ -191,20 +192,7 @@ class ShardExplorer(_WidgetView):
     def _not_negative(self, proposal: Bunch) -> int:
         return at_least(proposal, 0)
 
-    @observe(*_SETTINGS)
-    def _refresh(self, _change: Bunch | None = None) -> None:
-        if self._widget is not None:
-            self._html.value = self._html_view()
-
     # ---- model ------------------------------------------------------------------------------
-
-    def update(self, **changes: Any) -> ShardExplorer:
-        """Change settings, e.g. ``update(world_size=4, shuffle=True)``; the controls follow.
-
-        All the changes are checked first: a refused value leaves every setting as it was.
-        """
-        self._update(changes, _SETTINGS)
-        return self
 
     @property
     def sampler_epoch(self) -> int:

@@ -24,9 +24,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from traitlets import Unicode, observe, validate
+from traitlets import Unicode, validate
 
-from ._display import SettingValueError, StrictInt, _g, _WidgetView, at_least
+from ._display import StrictInt, _g, _WidgetView, at_least, one_of
 from ._html import MONOSPACE, escape, filled, table
 
 if TYPE_CHECKING:
@@ -157,6 +157,7 @@ class TensorParallelView(_WidgetView):
     """
 
     _css_class = "nb-dist-tensor-parallel-view"
+    _settings = _SETTINGS
 
     part = Unicode("attention", help='"attention" or "MLP"')
     mode = Unicode("TP", help='"TP" or "TP + SP"')
@@ -175,23 +176,9 @@ class TensorParallelView(_WidgetView):
 
     @validate("part", "mode")
     def _check_choice(self, proposal: Bunch) -> str:
-        value: str = proposal.value
-        choices = PARTS if proposal.trait.name == "part" else MODES
-        if value not in choices:
-            raise SettingValueError(f"{proposal.trait.name}={value!r} must be one of {choices}")
-        return value
-
-    @observe(*_SETTINGS)
-    def _refresh(self, _change: Bunch | None = None) -> None:
-        if self._widget is not None:
-            self._html.value = self._html_view()
+        return one_of(proposal, tuple(PARTS if proposal.trait.name == "part" else MODES))
 
     # ---- model ------------------------------------------------------------------------------
-
-    def update(self, **changes: Any) -> TensorParallelView:
-        """Change several settings at once; the controls follow."""
-        self._update(changes, _SETTINGS)
-        return self
 
     def collectives(self) -> list[Collective]:
         """This sub-block's collectives (:func:`tp_collectives`)."""
