@@ -19,7 +19,12 @@ import nbformat
 import pytest
 import torch
 
-from nb_dist.teach.reference import block_activations, merge_blocks
+from nb_dist.teach.reference import (
+    block_activations,
+    merge_blocks,
+    tp_block_activations,
+    tp_block_parameters,
+)
 from nb_dist.views import (
     MemoryExplorer,
     OnlineSoftmaxView,
@@ -77,7 +82,10 @@ MIXED = {"weights": 2, "grads": 2, "optimizer": 12, "act": 2}
     ],
 )
 def test_memory_per_rank_is_notebook_13s_per_rank(n, layers, h, heads, s, b, sizes):
-    per_rank = notebook_function(NB13, "per_rank", block_activations=block_activations)
+    per_rank = notebook_function(
+        NB13, "per_rank", block_activations=block_activations,
+        tp_block_parameters=tp_block_parameters, tp_block_activations=tp_block_activations,
+    )  # fmt: skip
     for strategy in STRATEGIES:
         ours = memory_per_rank(strategy, n, layers, h, heads, s, b, **sizes)
         assert ours == per_rank(strategy, n, layers, h, heads, s, b, **sizes), strategy

@@ -330,6 +330,12 @@ def test_the_reference_implementations_are_the_exercises_answers():
     assert reference.block_activations(2, 16, 32, 2) == 4 * (
         16 * 2 * 16 * 32 + 2 * 2 * 16 * 16 + 4 * 2 * 16
     )
+    assert reference.tp_block_parameters(64, 2) == 25184  # notebook 13's block on 2 ranks
+    assert reference.tp_block_parameters(64, 1) == 12 * 64 * 64 + 13 * 64  # the whole block
+    assert reference.tp_block_activations(2, 16, 32, 2, 1) == reference.block_activations(
+        2, 16, 32, 2
+    )
+    assert reference.tp_block_activations(8, 32, 64, 4, 2) == 724992
     assert reference.torch_1f1b(4, 6, 1) == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3),
                                              ("B", 1), ("F", 4), ("B", 2), ("F", 5), ("B", 3),
                                              ("B", 4), ("B", 5)]  # fmt: skip
@@ -346,6 +352,29 @@ def test_the_reference_implementations_are_the_exercises_answers():
             order = reference.interleaved_1f1b(p, v, m, r)
             expected = {(s, j) for s in range(r, v * p, p) for j in range(m)}
             assert sorted(order) == sorted({(k, s, j) for k in "FB" for s, j in expected})
+    # notebook 17, after exercise 17-2: ZB-H1, 1F1B's F and B with a W after each B, late
+    assert reference.zb_h1(2, 2, 1) == [("F", 1, 0), ("B", 1, 0), ("F", 1, 1), ("B", 1, 1),
+                                        ("W", 1, 0), ("W", 1, 1)]  # fmt: skip
+    for p, m in [(2, 4), (4, 8), (3, 3)]:
+        for r in range(p):
+            order = reference.zb_h1(p, m, r)
+            assert [(k, j) for k, _, j in order if k != "W"] == reference.torch_1f1b(p, m, r)
+            assert [j for k, _, j in order if k == "W"] == list(range(m))
+    # notebook 16, after exercises 16-2 (a linear layer's local backward) and 16-3
+    import torch
+
+    linear = torch.nn.Linear(6, 3)
+    x = torch.randn(2, 5, 6, requires_grad=True)
+    dy = torch.randn(2, 5, 3)
+    linear(x).backward(dy)
+    grads = reference.linear_backward(dy, x.detach(), linear.weight.detach())
+    expected = (x.grad, linear.weight.grad, linear.bias.grad)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(grads, expected, strict=True))
+    block = torch.nn.Module()
+    block.ln1, block.ln2 = torch.nn.LayerNorm(4), torch.nn.LayerNorm(4)
+    block.attn, block.mlp = torch.nn.Module(), torch.nn.Module()
+    block.attn.proj, block.mlp.fc2 = torch.nn.Linear(4, 4), torch.nn.Linear(16, 4)
+    assert sum(p.numel() for p in reference.sp_partial_parameters(block)) == 6 * 4
     # notebook 19, exercises 19-4 (a 2-D shard) and 19-5 (a pp group)
     import torch
 
@@ -373,6 +402,10 @@ def test_the_reference_implementations_are_the_exercises_answers():
             if n != 12:  # step_12 is incomplete: no .metadata
                 (run / f"step_{n}" / ".metadata").touch()
         assert reference.latest_checkpoint(run) == run / "step_10"
+    # notebook 18, exercise 18-5: the bytes per rank behind the ratio ring / Ulysses = N / 2
+    assert reference.ulysses_bytes(4) == 4 * 2 * 16 * 32 * 4 * 3 / 4
+    assert reference.ring_bytes(4) == 3 * 2 * 2 * 16 * 32 * 4
+    assert all(reference.ring_bytes(n) / reference.ulysses_bytes(n) == n / 2 for n in (2, 4, 8))
 
     def ulysses_all_to_alls():  # notebook 18, exercise 18-4 and its inverse, on each rank
         import torch

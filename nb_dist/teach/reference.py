@@ -180,6 +180,75 @@ def latest_checkpoint(run: Any) -> Any:
     return max(complete, key=lambda p: int(p.name.split("_")[1]), default=None)
 
 
+def ulysses_bytes(n: int, b: int = 2, s: int = 64, h: int = 32) -> float:
+    """Notebook 18, exercise 18-5: the bytes one Ulysses rank sends to the others in forward,
+    without a mask: four all-to-alls of ``b·(s/n)·h`` float32 values, each sending all but the
+    rank's own chunk, ``(n - 1)/n`` of it."""
+    return 4 * b * s / n * h * 4 * (n - 1) / n
+
+
+def ring_bytes(n: int, b: int = 2, s: int = 64, h: int = 32) -> float:
+    """Notebook 18, exercise 18-5: the bytes one ring-attention rank sends in forward: ``n - 1``
+    hops of one K/V block, ``2·b·(s/n)·h`` float32 values."""
+    return (n - 1) * 2 * b * s / n * h * 4
+
+
+def tp_block_parameters(h: int, n: int) -> float:
+    """Notebook 13, after exercise 13-3: the parameters one rank holds of one transformer block
+    under Megatron-style tensor parallelism of degree ``n`` (``q``, ``k``, ``v`` and ``fc1``
+    split by columns with their biases, ``proj`` and ``fc2`` by rows with whole biases, the
+    LayerNorms whole)."""
+    split = 12 * h * h + 7 * h  # the four column-split linears and the row-split weights
+    repeated = 6 * h  # two row-parallel biases and two LayerNorms, whole on every rank
+    return split / n + repeated
+
+
+def tp_block_activations(b: int, s: int, h: int, a: int, n: int) -> float:
+    """Notebook 13, after exercise 13-1: the bytes (fp32) one rank of a tensor-parallel group
+    of ``n`` keeps for backward of one block: the LayerNorms' inputs and statistics and the
+    inputs of ``q``/``k``/``v`` and ``fc1`` whole, the rest split by ``n``."""
+    whole = 4 * b * s * h + 4 * b * s
+    split = 12 * b * s * h + a * b * s * s
+    return 4 * (whole + split / n)
+
+
+def linear_backward(grad_y: Any, x: Any, weight: Any) -> tuple[Any, Any, Any]:
+    """Notebook 16, after exercise 16-2: one rank's local backward of ``y = x Wᵀ + b`` (no
+    collective): the gradients of the input ``x``, of ``weight`` and of the bias, from
+    ``∂L/∂y``; the leading dimensions of ``x`` and ``grad_y`` (batch, tokens) are summed over
+    for the weight and the bias."""
+    dy, flat_x = grad_y.flatten(0, -2), x.flatten(0, -2)
+    return grad_y @ weight, dy.T @ flat_x, dy.sum(0)
+
+
+def sp_partial_parameters(block: Any) -> list[Any]:
+    """Notebook 16, after exercise 16-3: the parameters of a transformer block (with ``ln1``,
+    ``ln2``, ``attn.proj`` and ``mlp.fc2``) whose gradients sequence parallelism leaves as
+    partial sums on each rank: those used on the rank's own tokens only, the LayerNorms' and
+    the biases added after the reduce-scatter."""
+    return [
+        *block.ln1.parameters(),
+        *block.ln2.parameters(),
+        block.attn.proj.bias,
+        block.mlp.fc2.bias,
+    ]
+
+
+def zb_h1(p: int, m: int, rank: int) -> list[tuple[str, int, int]]:
+    """Notebook 17, after exercise 17-2: the ZB-H1 order (Qi et al., 2023, arXiv:2401.10241)
+    of stage ``rank`` of ``p`` for ``m`` microbatches, actions ``("F" | "B" | "W", rank, j)``:
+    1F1B's forwards and backwards (B: the input's gradient only), a W (the weights' gradient)
+    after each B from the ``rank``-th B on, and the W's held back at the end."""
+    order: list[tuple[str, int, int]] = []
+    weights = 0  # the W's run so far
+    for kind, j in torch_1f1b(p, m, rank):
+        order.append((kind, rank, j))
+        if kind == "B" and j >= rank:
+            order.append(("W", rank, weights))
+            weights += 1
+    return order + [("W", rank, j) for j in range(weights, m)]
+
+
 __all__ = [
     "average_over_dp",
     "block_activations",
@@ -188,11 +257,18 @@ __all__ = [
     "interleaved_1f1b",
     "interleaved_forwards",
     "latest_checkpoint",
+    "linear_backward",
     "merge_blocks",
     "moe_combine",
     "moe_counts_per_rank",
     "pp_group_ranks",
+    "ring_bytes",
+    "sp_partial_parameters",
     "torch_1f1b",
+    "tp_block_activations",
+    "tp_block_parameters",
+    "ulysses_bytes",
     "ulysses_heads_to_seq",
     "ulysses_seq_to_heads",
+    "zb_h1",
 ]
