@@ -97,6 +97,28 @@ def test_a_failed_warm_import_is_logged_not_swallowed(tmp_path, monkeypatch, cap
     assert any(name in m and "broken on purpose" in m for m in messages), messages
 
 
+def test_what_a_cell_sets_during_a_warm_import_is_kept(slow_module, monkeypatch):
+    """The warm import undoes only what importing torch sets (its inductor cache folder), not
+    what the user's cell does to the environment meanwhile."""
+    name, folder = slow_module
+    monkeypatch.delenv("NB_DIST_TEST_CELL_VAR", raising=False)
+    monkeypatch.setenv("NB_DIST_TEST_CHANGED", "before")
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    _warm.schedule([name])
+    _wait_for(folder / "started")  # the warm thread is inside the module's import now
+    os.environ["NB_DIST_TEST_CELL_VAR"] = "set by a cell"
+    os.environ["NB_DIST_TEST_CHANGED"] = "changed by a cell"
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = "/tmp/set-during-the-import"  # as torch's import does
+    (folder / "go").touch()
+    _warm.wait()
+    try:
+        assert os.environ.get("NB_DIST_TEST_CELL_VAR") == "set by a cell"
+        assert os.environ.get("NB_DIST_TEST_CHANGED") == "changed by a cell"
+        assert os.environ.get("TORCHINDUCTOR_CACHE_DIR") == cache  # undone
+    finally:
+        os.environ.pop("NB_DIST_TEST_CELL_VAR", None)
+
+
 def test_a_warm_import_that_does_not_finish_is_given_up_on_not_waited_for(slow_module):
     """An import stuck for ever must not hang every later fork: past the limit the wait
     ends, warming is switched off, and the next launch says so."""

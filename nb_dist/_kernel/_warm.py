@@ -126,7 +126,7 @@ def _import_all(names: list[str]) -> None:
         threads_before = _openmp.thread_count()
         touched_before = _preflight.cuda_touched()
         _importing = name
-        environ = dict(os.environ)
+        environ = {key: os.environ.get(key) for key in SET_BY_IMPORTS}
         try:
             importlib.import_module(name)
         except (Exception, SystemExit) as exc:  # the next launch's ranks import it themselves
@@ -144,14 +144,20 @@ def _import_all(names: list[str]) -> None:
             _imported.append(name)
 
 
-def _restore_environ(before: dict[str, str]) -> None:
-    """Undo what an import did to ``os.environ`` (importing ``torch._inductor`` sets
-    ``TORCHINDUCTOR_CACHE_DIR``): the launcher changes no environment variable of the kernel,
-    and one the user's own import would have set is set then, by that import."""
-    for key in [k for k in os.environ if k not in before]:
-        os.environ.pop(key, None)
+#: What importing torch's modules sets in ``os.environ`` (``torch._inductor``: its cache
+#: folder), undone after each warm import: the launcher changes no environment variable of the
+#: kernel, and one the user's own import would set is set then, by that import. Only these:
+#: a cell may change the environment while a warm import runs in the background, and what it
+#: changes is the user's (``tests/test_warm.py`` holds this list complete for a DDP launch).
+SET_BY_IMPORTS = ("TORCHINDUCTOR_CACHE_DIR",)
+
+
+def _restore_environ(before: dict[str, str | None]) -> None:
+    """Put the variables of :data:`SET_BY_IMPORTS` back as they were before an import."""
     for key, value in before.items():
-        if os.environ.get(key) != value:
+        if value is None:
+            os.environ.pop(key, None)
+        elif os.environ.get(key) != value:
             os.environ[key] = value
 
 
