@@ -375,7 +375,7 @@ def test_the_reference_implementations_are_the_exercises_answers():
     block.attn, block.mlp = torch.nn.Module(), torch.nn.Module()
     block.attn.proj, block.mlp.fc2 = torch.nn.Linear(4, 4), torch.nn.Linear(16, 4)
     assert sum(p.numel() for p in reference.sp_partial_parameters(block)) == 6 * 4
-    # notebook 19, exercises 19-4 (a 2-D shard) and 19-5 (a pp group)
+    # notebook 22, exercises 22-4 (a 2-D shard) and 22-5 (a pp group)
     import torch
 
     full = torch.arange(8 * 4).reshape(8, 4)
@@ -383,13 +383,13 @@ def test_the_reference_implementations_are_the_exercises_answers():
     assert torch.equal(reference.fsdp_tp_shard(full, 1, 1, 1, 2, 2), full[4:, 2:])
     assert reference.pp_group_ranks(6, 2, 2, 2) == [2, 6]
     assert reference.pp_group_ranks(5, 4, 1, 2) == [1, 3, 5, 7]
-    # notebook 22, exercise 22-1: nested compute, overlapping comm, and the check's cases
+    # notebook 21, exercise 21-1: nested compute, overlapping comm, and the check's cases
     assert reference.exposed_time([(0, 4), (1, 2), (6, 8)], [(3, 7), (5, 9)]) == 3
     assert reference.exposed_time([(0, 4), (1, 3)], [(2, 6)]) == 2
     assert reference.exposed_time([(0, 10)], [(2, 5)]) == 0
     assert reference.exposed_time([(0, 2), (5, 6)], [(1, 8)]) == 5
     assert reference.exposed_time([], [(1, 3), (2, 4)]) == 3
-    # notebook 21, exercise 21-2: the newest complete checkpoint (numbers, not strings)
+    # notebook 20, exercise 20-2: the newest complete checkpoint (numbers, not strings)
     import tempfile
     from pathlib import Path
 

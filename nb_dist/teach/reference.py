@@ -47,7 +47,7 @@ def merge_blocks(a: tuple[Any, Any, Any], b: tuple[Any, Any, Any]) -> tuple[Any,
 
 
 def average_over_dp(model: Any, dp_group: Any) -> None:
-    """Notebook 19, exercise 19-2: every gradient of ``model`` replaced, in place, by its mean
+    """Notebook 22, exercise 22-2: every gradient of ``model`` replaced, in place, by its mean
     over the ranks of ``dp_group`` (an all-reduce on that group, not on the whole world)."""
     import torch.distributed as dist
 
@@ -58,7 +58,7 @@ def average_over_dp(model: Any, dp_group: Any) -> None:
 
 
 def moe_counts_per_rank(expert: Any, experts_per_rank: int, world_size: int) -> Any:
-    """Notebook 20, exercise 20-2: how many of the rows (each for ``expert``, experts placed on
+    """Notebook 19, exercise 19-2: how many of the rows (each for ``expert``, experts placed on
     the ranks in blocks of ``experts_per_rank``) go to each of the ``world_size`` ranks."""
     import torch
 
@@ -66,7 +66,7 @@ def moe_counts_per_rank(expert: Any, experts_per_rank: int, world_size: int) -> 
 
 
 def moe_combine(returned: Any, token: Any, gate: Any, n_tokens: int) -> Any:
-    """Notebook 20, exercise 20-3: the MoE layer's output, ``n_tokens`` rows: each token's
+    """Notebook 19, exercise 19-3: the MoE layer's output, ``n_tokens`` rows: each token's
     expert results (the rows of ``returned``) added up, each weighted by its gate."""
     import torch
 
@@ -109,7 +109,7 @@ def ulysses_heads_to_seq(x: Any, group: Any = None) -> Any:
 
 
 def exposed_time(compute: list[tuple[float, float]], comm: list[tuple[float, float]]) -> float:
-    """Notebook 22, exercise 22-1: the time covered by some ``comm`` interval and by no
+    """Notebook 21, exercise 21-1: the time covered by some ``comm`` interval and by no
     ``compute`` interval (each a ``(start, end)``; either list may overlap or nest)."""
 
     def union(intervals: list[tuple[float, float]]) -> list[list[float]]:
@@ -129,14 +129,14 @@ def exposed_time(compute: list[tuple[float, float]], comm: list[tuple[float, flo
 
 
 def fsdp_tp_shard(full: Any, tp_dim: int, i: int, j: int, dp: int, tp: int) -> Any:
-    """Notebook 19, exercise 19-4: the part of the full weight ``full`` that rank ``(dp i,
+    """Notebook 22, exercise 22-4: the part of the full weight ``full`` that rank ``(dp i,
     tp j)`` holds under tensor parallelism on ``tp_dim`` then FSDP: tp's chunk ``j`` along
     ``tp_dim``, then FSDP's chunk ``i`` of it along dimension 0."""
     return full.chunk(tp, dim=tp_dim)[j].chunk(dp, dim=0)[i]
 
 
 def pp_group_ranks(rank: int, pp: int, dp: int, tp: int) -> list[int]:
-    """Notebook 19, exercise 19-5: the ranks of ``rank``'s pp group in a ``(pp, dp, tp)``
+    """Notebook 22, exercise 22-5: the ranks of ``rank``'s pp group in a ``(pp, dp, tp)``
     device mesh (row-major): one per stage, at the same ``(dp, tp)`` place as ``rank``."""
     per_stage = dp * tp
     return [stage * per_stage + rank % per_stage for stage in range(pp)]
@@ -171,7 +171,7 @@ def interleaved_1f1b(p: int, v: int, m: int, rank: int) -> list[tuple[str, int, 
 
 
 def latest_checkpoint(run: Any) -> Any:
-    """Notebook 21, exercise 21-2: the ``step_<n>`` folder of ``run`` (a ``Path``) with the
+    """Notebook 20, exercise 20-2: the ``step_<n>`` folder of ``run`` (a ``Path``) with the
     largest ``n`` that is complete (holds DCP's ``.metadata``, written last), or ``None`` when
     there is none or ``run`` does not exist."""
     if not run.is_dir():
