@@ -10,10 +10,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from kernel_helpers import execute
 
-from nb_dist.teach import NOT_ANSWERED, WrongAnswer, answered, check, check_code
+from nb_dist.teach import NOT_ANSWERED, WrongAnswer, answered, check, check_code, explain
 from nb_dist.teach._editions import (
     BANNER,
+    decode_explanation,
     dumps,
     exercises,
     stale_editions,
@@ -212,6 +214,134 @@ def test_repeated_ids_are_refused():
         exercises(_notebook(*cells), "lesson.ipynb")
 
 
+# ------------------------------------------------------------------------ after-check cells
+EXPLANATION = "Four: **two and two**, ünïcode and all.\n\n```python\nanswer = 4\n```\n"
+
+
+def _explained(exercise_id: str, check: str | None = None) -> dict:
+    """A notebook: an exercise, its check (with ``exercise=``), then its explanation."""
+    spec = {**EXERCISE, "id": exercise_id}
+    check = check or f"check(answer, 2 + 2, 'Hint.', exercise={exercise_id!r})"
+    return _notebook(
+        _markdown("# Title"),
+        _code("answer = 4  # your prediction", exercise=spec),
+        _code(check),
+        {**_markdown(EXPLANATION, after_exercise=exercise_id), "id": "explained"},
+    )
+
+
+def _explain_cell(student: dict) -> dict:
+    (cell,) = [c for c in student["cells"] if c["id"] == "explained"]
+    return cell
+
+
+def test_an_after_check_cell_is_an_encoded_explain_call_in_the_student_edition():
+    source = _explained("e-1")
+    student = student_edition(source)
+    cell = _explain_cell(student)
+    assert cell["cell_type"] == "code" and cell["outputs"] == []
+    assert cell["metadata"] == {"tags": ["nbval-ignore-output"]}
+    lines = "".join(cell["source"]).splitlines()
+    assert lines[:3] == [
+        '# Exercise e-1, explained. Run this cell once the check above says "right"',
+        "# (the explanation gives the answer away; explain(..., anyway=True) shows it at once).",
+        "from nb_dist.teach.exercises import explain",
+    ]
+    assert all(len(line) <= 100 for line in lines[:3])
+    call = re.fullmatch(r'explain\("e-1", "([A-Za-z0-9+/=]+)"\)', lines[3])
+    assert call and decode_explanation(call[1]) == EXPLANATION  # the round trip
+    assert "two and two" not in dumps(student) and "answer = 4" not in dumps(student)
+    assert source["cells"][3]["cell_type"] == "markdown"  # the solutions edition keeps it
+
+
+def test_the_explain_cell_shows_the_text_only_after_a_right_check(capsys):
+    code = "".join(_explain_cell(student_edition(_explained("e-2")))["source"])
+    exec(code, {})
+    refusal = capsys.readouterr().out
+    assert "Exercise e-2's explanation gives its answer away" in refusal
+    assert "two and two" not in refusal and "anyway=True" in refusal
+    check(4, 2 + 2, "Hint.", exercise="e-2")
+    assert capsys.readouterr().out == "right: 4\n"
+    exec(code, {})
+    assert capsys.readouterr().out == EXPLANATION + "\n"  # no kernel here: printed
+
+
+def test_a_revealed_truth_or_right_code_also_unlocks_the_explanation(capsys):
+    encoded = "".join(_explain_cell(student_edition(_explained("e-3")))["source"])
+    encoded = encoded.rsplit('"', 2)[1]
+    with pytest.raises(WrongAnswer):
+        check(3, 4, "Hint: e-3.", exercise="e-3")  # a first wrong try reveals nothing
+    explain("e-3", encoded)
+    assert "gives its answer away" in capsys.readouterr().out
+    with pytest.raises(WrongAnswer, match="the code gives 4"):
+        check(5, 4, "Hint: e-3.", exercise="e-3")  # the second one does
+    explain("e-3", encoded)
+    assert capsys.readouterr().out == EXPLANATION + "\n"
+    check_code(_solved, lambda fn: fn([1, 2]), 3, "Hint.", exercise="e-4")
+    explain("e-4", encoded)
+    assert capsys.readouterr().out == "right: 3\n" + EXPLANATION + "\n"
+    explain("e-5", encoded, anyway=True)
+    assert capsys.readouterr().out == EXPLANATION + "\n"
+
+
+@pytest.mark.parametrize(
+    ("cells", "message"),
+    [
+        ([1, 2, "after:x-9"], "after_exercise 'x-9' is no exercise of the notebook"),
+        ([1, "after:x-1", 2], "must come after its check (cell 2)"),
+        ([1, "check:plain", "after:x-1"], 'check (cell 1) must pass exercise="x-1"'),
+        ([1, 2, "code-after:x-1"], "an after-check cell must be a markdown cell"),
+        ([1, 2, "both:x-1"], "is in both editions: drop 'edition'"),
+    ],
+)
+def test_a_misplaced_after_check_cell_is_refused_by_name(cells, message):
+    made = []
+    for cell in cells:
+        if cell == 1:
+            made.append(_code("answer = 4", exercise=EXERCISE))
+        elif cell == 2:
+            made.append(_code('check(answer, 4, "h", exercise="x-1")'))
+        elif cell == "check:plain":
+            made.append(_code('check(answer, 4, "h")'))
+        else:
+            kind, ident = str(cell).split(":")
+            metadata: dict[str, object] = {"after_exercise": ident}
+            if kind == "both":
+                metadata["edition"] = "solutions"
+            made.append((_code if kind == "code-after" else _markdown)("Four.", **metadata))
+    notebook = _notebook(*made)
+    index = next(i for i, c in enumerate(cells) if "after" in str(c) or "both" in str(c))
+    for refuse in (lambda: exercises(notebook, "lesson.ipynb"), lambda: student_edition(
+        notebook, "lesson.ipynb")):  # fmt: skip
+        with pytest.raises(ValueError, match=re.escape(message)) as caught:
+            refuse()
+        assert f"lesson.ipynb cell {index}" in str(caught.value)
+
+
+@pytest.mark.kernel
+def test_explain_in_a_real_kernel_waits_for_the_check_then_shows_markdown(kernel):
+    """The student edition's cells, run in a real kernel: the explanation is refused before the
+    check says "right", shown (as Markdown) after it, and at once with anyway=True."""
+    _, kc = kernel
+    student = student_edition(_explained("k-1"))
+    explain_cell = "".join(_explain_cell(student)["source"])
+    before = execute(kc, explain_cell).expect_ok()
+    assert "Exercise k-1's explanation gives its answer away" in before.stdout()
+    shown = [m for m in before.mine if m.msg_type in ("display_data", "execute_result")]
+    assert shown == [] and "two and two" not in before.stdout()
+    execute(kc, "from nb_dist.teach import check\nanswer = 4").expect_ok()
+    right = execute(kc, "".join(student["cells"][3]["source"])).expect_ok()  # the check cell
+    assert right.stdout() == "right: 4\n"
+    after = execute(kc, explain_cell).expect_ok()
+    displays = [m.content["data"] for m in after.mine if m.msg_type == "display_data"]
+    assert after.stdout() == "" and len(displays) == 1
+    assert displays[0]["text/markdown"] == EXPLANATION
+    anyway = explain_cell.replace('explain("k-1"', 'explain("k-2"')[:-1] + ", anyway=True)"
+    early = execute(kc, anyway).expect_ok()
+    displays = [m.content["data"] for m in early.mine if m.msg_type == "display_data"]
+    assert early.stdout() == "" and [d["text/markdown"] for d in displays] == [EXPLANATION]
+
+
 def test_the_committed_student_editions_are_current():
     """notebooks/student/ is what `nb-dist student-edition` makes of notebooks/ today."""
     sources = sorted(NOTEBOOKS.glob("*.ipynb"))
@@ -324,6 +454,63 @@ def test_the_scan_finds_a_value_printed_or_written_below_and_a_key_redefined():
     assert _scan(_code("answer = 3", exercise=prediction), _code("print(3)")) == []  # small
 
 
+def test_the_scan_finds_a_key_line_renamed_but_not_a_plain_or_earlier_shape():
+    key = "def mean(param, world):\n    grad = param.grad.to_local() / world\n    return grad\n"
+    coding = {"id": "c", "blank": "def mean(param, world):\n    ...\n", "wrong": "def mean(): 0"}
+    exercise = [_code(key, exercise=coding), _code("check_code(mean, run, True, 'h')")]
+    renamed = _code("def other(p, n):\n    g = p.grad.to_local() / n  # renamed\n    return g\n")
+    assert _scan(*exercise, renamed) == ["c 3 source g = p.grad.to_local() / n"]
+    assert _scan(*exercise, _code("g = p.grad.to_local() * n\nh = p.grad.to_local()\n")) == []
+    earlier = _code("u = w.grad.to_local() / k")  # the shape was taught before the exercise
+    assert _scan(earlier, *exercise, renamed) == []
+    plain = "def pick(a, b):\n    largest = torch.maximum(a, b)\n    return largest\n"
+    coding = {"id": "p", "blank": "def pick(a, b):\n    ...\n", "wrong": "def pick(a, b): 0"}
+    assert _scan(  # one call is too little structure to tell a renamed key from new code
+        _code(plain, exercise=coding), _code("check_code(pick, run, True, 'h')"),
+        _code("m = torch.maximum(x, y)"),
+    ) == []  # fmt: skip
+
+
+def test_the_scan_finds_a_small_answer_only_where_it_reads_as_the_answer():
+    prediction = {"id": "s", "blank": "answer = ...", "wrong": "answer = 20"}
+    printed = _code("print('steps_taken in the kernel:', steps_taken)\nprint(steps_taken)")
+    printed["outputs"] = [{"name": "stdout", "output_type": "stream",
+                           "text": ["steps_taken in the kernel: 0\n", "0\n"]}]  # fmt: skip
+    other = _code("print(len(ranks))")
+    other["outputs"] = [{"name": "stdout", "output_type": "stream", "text": ["0\n"]}]
+    said = (
+        "Nothing changed: the counter is still 0; `Shard(dim=0)`, rank 0 and 0.5 are other "
+        "numbers, and so are 0 x 4 and `steps_taken` = 0.5."
+    )
+    assert _scan(
+        _code("answer = 0", exercise=prediction),
+        _code("check(answer, steps_taken, 'h')"),
+        _markdown(said),
+        printed,
+        other,
+        _code("assert steps_taken == 0\nx = steps_taken + 0\nmake(steps_taken, 0)\n"),
+        _markdown("`steps_taken = 0` here."),
+    ) == [
+        "s 3 source is still 0",
+        "s 4 output steps_taken in the kernel: 0",
+        "s 4 output 0",
+        "s 6 source assert steps_taken == 0",
+        "s 7 source steps_taken = 0",
+    ]
+
+
+def test_the_scan_does_not_read_an_encoded_explanation():
+    prediction = {"id": "e", "blank": "answer = ...", "wrong": "answer = 0.5"}
+    notebook = _notebook(
+        _code("answer = 0.375", exercise=prediction),
+        _code("check(answer, bubble, 'h', exercise='e')"),
+        {**_markdown("The bubble is 0.375, or 3/8.", after_exercise="e"), "id": "explained"},
+    )
+    student = student_edition(notebook)
+    assert "explain(" in "".join(student["cells"][3]["source"])
+    assert answer_leaks(notebook, student, "lesson.ipynb") == []
+
+
 def test_the_reference_implementations_are_the_exercises_answers():
     from nb_dist.teach import reference
 
@@ -383,12 +570,40 @@ def test_the_reference_implementations_are_the_exercises_answers():
     assert torch.equal(reference.fsdp_tp_shard(full, 1, 1, 1, 2, 2), full[4:, 2:])
     assert reference.pp_group_ranks(6, 2, 2, 2) == [2, 6]
     assert reference.pp_group_ranks(5, 4, 1, 2) == [1, 3, 5, 7]
+    # notebook 22, exercise 22-6 (a plan's memory and traffic), on the notebook's small block:
+    # FSDP x TP's states are section 6's measured 12288 B; one rank alone moves nothing
+    block = dict(psi=3072, layers=1, hidden=16, heads=4, seq=8, micro_batch=2, microbatches=1)
+    alone = reference.plan_costs(block, {"pp": 1, "dp": 1, "cp": 1, "tp": 1})
+    assert alone == {"memory": 16 * 3072 + reference.block_activations(2, 8, 16, 4), "traffic": 0.0}
+    fsdp_tp = reference.plan_costs(block, {"pp": 1, "dp": 2, "cp": 1, "tp": 2})
+    assert fsdp_tp["memory"] - reference.tp_block_activations(2, 8, 16, 4, 2) == 12288
+    assert fsdp_tp["traffic"] == 3 * 4 * 3072 / 2 + 4 * 2 * 4 * 2 * 8 * 16
+    # notebook 19, exercise 19-1 (the capacity) and the single-process layer after it
+    keep = reference.moe_keep_within_capacity(torch.tensor([0, 0, 1, 0, 1, 0]), 2, 2)
+    assert keep.tolist() == [True, True, True, False, True, False]
+    experts = [torch.nn.Linear(6, 6), torch.nn.Linear(6, 6)]
+    x6 = torch.randn(3, 6)
+    token, expert, gate = torch.tensor([0, 1, 0]), torch.tensor([0, 0, 1]), torch.rand(3)
+    dense = reference.moe_dense(x6, token, expert, gate, experts)
+    rows = [gate[i] * experts[int(expert[i])](x6[token[i]]) for i in range(3)]
+    assert torch.allclose(dense, torch.stack([rows[0] + rows[2], rows[1], torch.zeros(6)]))
     # notebook 21, exercise 21-1: nested compute, overlapping comm, and the check's cases
     assert reference.exposed_time([(0, 4), (1, 2), (6, 8)], [(3, 7), (5, 9)]) == 3
     assert reference.exposed_time([(0, 4), (1, 3)], [(2, 6)]) == 2
     assert reference.exposed_time([(0, 10)], [(2, 5)]) == 0
     assert reference.exposed_time([(0, 2), (5, 6)], [(1, 8)]) == 5
     assert reference.exposed_time([], [(1, 3), (2, 4)]) == 3
+    # notebook 20, exercise 20-1: the rows a rank reads, saved on 2 ranks, loaded on 4 or 3
+    saved = [("__0_0.distcp", 0, 128), ("__1_0.distcp", 128, 128)]
+    assert reference.reshard_reads(saved, 256, 4, 2) == [("__1_0.distcp", 128, 64)]
+    assert reference.reshard_reads(saved, 256, 3, 1) == [("__0_0.distcp", 86, 42),
+                                                         ("__1_0.distcp", 128, 44)]  # fmt: skip
+    halves = [("a", 0, 32), ("b", 32, 32)]
+    assert [sum(n for *_, n in reference.reshard_reads(halves, 64, 3, r)) for r in range(3)] == [
+        22,
+        22,
+        20,
+    ]
     # notebook 20, exercise 20-2: the newest complete checkpoint (numbers, not strings)
     import tempfile
     from pathlib import Path
@@ -406,6 +621,9 @@ def test_the_reference_implementations_are_the_exercises_answers():
     assert reference.ulysses_bytes(4) == 4 * 2 * 16 * 32 * 4 * 3 / 4
     assert reference.ring_bytes(4) == 3 * 2 * 2 * 16 * 32 * 4
     assert all(reference.ring_bytes(n) / reference.ulysses_bytes(n) == n / 2 for n in (2, 4, 8))
+    # notebook 18, exercise 18-2: the score blocks a ring rank keeps, 1/N of the (b, a, s, s)
+    assert reference.ring_score_bytes(4) == 2 * 4 * 64 * 64 * 4 // 4
+    assert all(reference.ring_score_bytes(n) * n == 2 * 4 * 64 * 64 * 4 for n in (1, 2, 4, 8))
 
     def ulysses_all_to_alls():  # notebook 18, exercise 18-4 and its inverse, on each rank
         import torch

@@ -5,13 +5,15 @@ student to write), and checks it in the next cell with :func:`check` or :func:`c
 The solutions edition (``notebooks/``) carries the answers; the student edition
 (``notebooks/student/``) is made from it by ``nb-dist student-edition``, with every answer
 replaced by ``...``. A check on a ``...`` says "not answered yet" and lets Run All go on.
+An explanation that gives an answer away waits, in the student edition, for that exercise's
+check to say "right": :func:`explain`.
 ``torch_versions`` gives torch 2.13's names of a few distributed APIs on older torch.
 """
 
 from __future__ import annotations
 
 from .exercises import NOT_ANSWERED as NOT_ANSWERED
-from .exercises import WrongAnswer, answered, check, check_code
+from .exercises import WrongAnswer, answered, check, check_code, explain
 from .torch_versions import all_gather_single, ddp_buffer_sync, reduce_scatter_single, torch_name
 
 # NOT_ANSWERED (the text a check prints for a blank) is importable, not exported.
@@ -22,6 +24,7 @@ __all__ = [
     "check",
     "check_code",
     "ddp_buffer_sync",
+    "explain",
     "reduce_scatter_single",
     "torch_name",
 ]

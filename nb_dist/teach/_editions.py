@@ -6,16 +6,23 @@ source is the answer, ``blank`` is what the student gets (with ``...`` where the
 ``wrong`` a plausible wrong answer, or a list of them (the exercise tests run each and expect
 the check to fail).
 The next code cell checks the answer. A cell with ``"edition": "solutions"`` in its metadata
-exists only in the solutions edition. The student edition carries no outputs and no key: each
-code cell is tagged ``nbval-ignore-output``, so nbval runs it and fails only on errors. Its
-"open in" badges (Binder, Colab, Kaggle) open the student edition.
+exists only in the solutions edition. A markdown cell with ``"after_exercise": "<id>"``, after
+that exercise's check cell (which calls ``check``/``check_code`` with ``exercise="<id>"``),
+explains the answer: in the student edition it becomes a code cell
+``explain("<id>", "<encoded>")`` (the text zlib-compressed, base64), which shows the text once
+the check said "right" in the kernel (see :func:`nb_dist.teach.exercises.explain`).
+The student edition carries no outputs and no key: each code cell is tagged
+``nbval-ignore-output``, so nbval runs it and fails only on errors. Its "open in" badges
+(Binder, Colab, Kaggle) open the student edition.
 """
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 import re
+import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,11 +95,61 @@ def exercises(notebook: Notebook, name: str = "") -> list[Exercise]:
     ids = [e.id for e in found]
     if len(set(ids)) != len(ids):
         raise ValueError(f"{name}: exercise ids repeat: {ids}")
+    _check_after_checks(cells, found, name)
     return found
 
 
-def student_edition(notebook: Notebook) -> Notebook:
-    """The student edition of a solutions-edition notebook (see the module docstring)."""
+def _check_after_checks(cells: list[Cell], found: list[Exercise], name: str) -> None:
+    """Refuse an after-check cell (see the module docstring) that cannot work, naming it."""
+    by_id = {e.id: e for e in found}
+    for index, cell in enumerate(cells):
+        metadata = cell.get("metadata", {})
+        if "after_exercise" not in metadata:
+            continue
+        where, ident = f"{name} cell {index}", str(metadata["after_exercise"])
+        if cell["cell_type"] != "markdown":
+            raise ValueError(f"{where}: an after-check cell must be a markdown cell")
+        if "edition" in metadata:
+            raise ValueError(f"{where}: an after-check cell is in both editions: drop 'edition'")
+        exercise = by_id.get(ident)
+        if exercise is None:
+            raise ValueError(f"{where}: after_exercise {ident!r} is no exercise of the notebook")
+        if index <= exercise.check_index:
+            raise ValueError(
+                f"{where}: the explanation of exercise {ident} must come after its check "
+                f"(cell {exercise.check_index})"
+            )
+        check = _source(cells[exercise.check_index])
+        if not any(f"exercise={q}{ident}{q}" in check for q in "\"'"):
+            raise ValueError(
+                f"{where}: exercise {ident}'s check (cell {exercise.check_index}) must pass "
+                f'exercise="{ident}" to check/check_code, or the explanation never shows'
+            )
+
+
+def encode_explanation(text: str) -> str:
+    """``text`` as an after-check cell carries it in the student edition: UTF-8, zlib, base64."""
+    return base64.b64encode(zlib.compress(text.encode("utf-8"), 9)).decode("ascii")
+
+
+def decode_explanation(encoded: str) -> str:
+    """The text :func:`encode_explanation` encoded."""
+    return zlib.decompress(base64.b64decode(encoded, validate=True)).decode("utf-8")
+
+
+def _explain_source(exercise: str, text: str) -> str:
+    return (
+        f'# Exercise {exercise}, explained. Run this cell once the check above says "right"\n'
+        "# (the explanation gives the answer away; explain(..., anyway=True) shows it at once).\n"
+        "from nb_dist.teach.exercises import explain\n"
+        f'explain("{exercise}", "{encode_explanation(text)}")'
+    )
+
+
+def student_edition(notebook: Notebook, name: str = "") -> Notebook:
+    """The student edition of a solutions-edition notebook (see the module docstring); a
+    malformed exercise or after-check cell raises ``ValueError`` naming ``name``."""
+    exercises(notebook, name)
     student = copy.deepcopy(notebook)
     cells: list[Cell] = []
     for cell in student["cells"]:
@@ -102,6 +159,11 @@ def student_edition(notebook: Notebook) -> Notebook:
         spec = metadata.pop("exercise", None)
         if spec is not None:
             cell["source"] = _lines(str(spec["blank"]))
+        explained = metadata.pop("after_exercise", None)
+        if explained is not None:
+            source = _explain_source(str(explained), _source(cell))
+            cell.update(cell_type="code", source=_lines(source))
+            cell.pop("attachments", None)
         if cell["cell_type"] == "code":
             cell["outputs"] = []
             cell["execution_count"] = None
@@ -146,9 +208,9 @@ def write_student_editions(sources: Iterable[Path], out: Path) -> list[Path]:
     written = []
     for source in sorted(sources):
         notebook = json.loads(source.read_text(encoding="utf-8"))
-        exercises(notebook, source.name)  # refuse a malformed exercise before writing
+        student = student_edition(notebook, source.name)  # refuses a malformed exercise
         target = out / source.name
-        target.write_text(dumps(student_edition(notebook)), encoding="utf-8")
+        target.write_text(dumps(student), encoding="utf-8")
         written.append(target)
     return written
 
@@ -161,10 +223,21 @@ def stale_editions(sources: Iterable[Path], out: Path) -> list[str]:
     for source in sources:
         target = out / source.name
         notebook = json.loads(source.read_text(encoding="utf-8"))
-        if not target.exists() or target.read_text(encoding="utf-8") != dumps(
-            student_edition(notebook)
+        made = dumps(student_edition(notebook, source.name))
+        if not target.exists() or _comparable(target.read_text(encoding="utf-8")) != _comparable(
+            made
         ):
             stale.append(source.name)
     names = {s.name for s in sources}
     stale += sorted(p.name for p in out.glob("*.ipynb") if p.name not in names)
     return stale
+
+
+# An after-check cell's encoded text, as dumps() writes it: explain(\"13-2\", \"eNp...\").
+_ENCODED = re.compile(r'(explain\(\\"[^"\\]*\\", \\")([A-Za-z0-9+/=]+)(\\"\))')
+
+
+def _comparable(text: str) -> str:
+    """A dumped student edition with each explanation decoded: another zlib build may
+    compress the same text to other bytes, and the edition is still current."""
+    return _ENCODED.sub(lambda m: m[1] + repr(decode_explanation(m[2])) + m[3], text)

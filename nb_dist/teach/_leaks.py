@@ -5,20 +5,32 @@ when run (the solutions edition's stored outputs, which are what running them sh
 must not be found there. Two kinds of trace are looked for:
 
 - **values**: a prediction's answer (``answer = 0.375``): the number, its rounded and percent
-  forms, or a list's numbers in order. Small whole numbers (below 100) and booleans are left
-  out: they appear everywhere and give nothing away by themselves;
+  forms, or a list's numbers in order. Booleans are left out, and so is a small whole number
+  (below 100) standing alone, for it appears everywhere: it counts only where it reads as the
+  answer (:func:`_small_number_leaks`): after "is", "equals", "gives", "=" ... in markdown;
+  beside a name of the check's truth (``check(answer, steps_taken, ...)``) in a code line's
+  ``== 3`` or `` = 3``, or in a printed line (or a printed bare ``3`` of a cell that uses it);
 - **lines**: a coding exercise's distinctive lines, compared with whitespace collapsed and
   comments dropped, under any function name: the ``def`` line, a loop over a plain name
   (``for x, y in loader:``), short lines (``return x``), and lines that the blank or the cells
-  before the exercise already hold are not distinctive.
+  before the exercise already hold are not distinctive;
+- **renamed lines**: a distinctive line with its variables renamed
+  (``g = p.grad.to_local() / world`` for ``grad = param.grad.to_local() / world``): lines
+  compare by their shape (:func:`shape`), each variable a placeholder in order of first use,
+  attribute names, called names, keyword names, literals and operators kept. Only a line with
+  at least :data:`MIN_STRUCTURE` such tokens counts, and not a shape the cells before hold.
 
 The exercise's own check cell is scanned too (its source; its stored output is the key's
-"right: ..."), and so are the markdown cells (recaps, explanations).
+"right: ..."), and so are the markdown cells (recaps, explanations). An after-check cell's
+explanation is encoded in the student edition (``explain("13-2", "eNp...")``): not readable,
+not scanned.
 """
 
 from __future__ import annotations
 
 import ast
+import builtins
+import keyword
 import math
 import re
 from dataclasses import dataclass
@@ -29,6 +41,8 @@ from ._editions import Exercise, Notebook, _source, exercises
 
 #: A key line shorter than this (whitespace collapsed) is not distinctive.
 MIN_LINE = 16
+#: A renamed line must keep this many operators, attribute or called names and literals.
+MIN_STRUCTURE = 3
 
 
 @dataclass(frozen=True)
@@ -40,11 +54,13 @@ class Leak:
     cell: int  # the cell's index in the student edition
     where: str  # "source" or "output"
     found: str
+    rule: str = "value"  # "value", "line", "renamed" (a key line renamed) or "small"
 
     def __str__(self) -> str:
+        rule = "" if self.rule in ("value", "line") else f" [{self.rule}]"
         return (
             f"{self.notebook}: exercise {self.exercise}'s answer in cell {self.cell} "
-            f"({self.where}): {self.found}"
+            f"({self.where}){rule}: {self.found}"
         )
 
 
@@ -120,6 +136,105 @@ def _distinctive_lines(exercise: Exercise, before: list[str]) -> list[str]:
     return lines
 
 
+_TOKEN = re.compile(
+    r"""(?P<str>[rbfuRBFU]{0,2}(?:'[^'\\]*(?:\\.[^'\\]*)*'|"[^"\\]*(?:\\.[^"\\]*)*"))"""
+    r"|(?P<num>\d[\w.]*)|(?P<name>[A-Za-z_]\w*)"
+    r"|(?P<op>\*\*=?|//=?|->|:=|<<=?|>>=?|[-+*/%@&|^<>=!]=|[-+*/%@&|^~<>=.,:;()\[\]{}])"
+)
+_PUNCTUATION = {"(", ")", "[", "]", "{", "}", ",", ":", ";", "=", "."}
+_NAMES_KEPT = set(keyword.kwlist) | {"self", "cls"}
+
+
+def shape(line: str) -> tuple[tuple[str, ...], int]:
+    """A code line with its variables renamed ``_0``, ``_1``... in order of first use (names
+    after a ``.``, called names, keyword names and keywords kept), and how many of its tokens
+    are structure: operators, kept names, literals (not brackets, commas, ``=``, keywords)."""
+    tokens = [(m.lastgroup or "", m.group()) for m in _TOKEN.finditer(line)]
+    names: dict[str, str] = {}
+    out: list[str] = []
+    structure = depth = 0
+    for k, (kind, text) in enumerate(tokens):
+        after = tokens[k + 1][1] if k + 1 < len(tokens) else ""
+        before = tokens[k - 1][1] if k else ""
+        depth += (text in "([{") - (text in ")]}") if kind == "op" else 0
+        if kind == "name" and text in _NAMES_KEPT:
+            out.append(text)
+        elif kind == "name" and (before == "." or after == "(" or (after == "=" and depth > 0)):
+            out.append(text)
+            structure += 1
+        elif kind == "name":
+            out.append(names.setdefault(text, f"_{len(names)}"))
+        else:
+            out.append(text)
+            structure += text not in _PUNCTUATION
+    return tuple(out), structure
+
+
+def _renamed_lines(lines: list[str], before: list[str]) -> dict[tuple[str, ...], str]:
+    """The distinctive ``lines`` that keep enough structure renamed, by shape."""
+    seen = {shape(_normal(line))[0] for text in before for line in text.splitlines()}
+    found: dict[tuple[str, ...], str] = {}
+    for line in lines:
+        key, structure = shape(line)
+        if structure >= MIN_STRUCTURE and key not in seen:
+            found.setdefault(key, line)
+    return found
+
+
+_VERB = r"(?:is|are|was|were|equals?|gives?|gave|makes?|comes? to|totals?|stays?|remains?|≈)"
+_ADVERB = r"(?:(?:still|now|only|just|exactly|always|then|again|also|simply|thus|so)\s+)?"
+_MARK = r"(?:\*\*|\*|`|\$)?"
+# 3 x 4, 3/4, 3.5, 3%, 3-way: not the answer 3 (\u00d7 and \u00b7 are multiplication signs)
+_NOT_A_TERM = r"(?![\w%]|\.\d|\s*[x\u00d7\u00b7*/+^-]\s*\w)"
+_BUILTINS = set(dir(builtins)) | {"torch", "dist", "np", "reference", "truth"}
+
+
+def _truth_names(check: str) -> set[str]:
+    """The names in the second argument of the check cell's ``check(answer, truth, ...)``."""
+    try:
+        tree = ast.parse(check)
+    except SyntaxError:
+        return set()
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id == "check"
+            and len(node.args) >= 2
+        ):
+            names = {n.id for n in ast.walk(node.args[1]) if isinstance(n, ast.Name)}
+            return {n for n in names - _BUILTINS if len(n) >= 3}
+    return set()
+
+
+def _small_number_leaks(
+    number: int, names: set[str], cell_type: str, where: str, text: str, source: str
+) -> list[str]:
+    """Where a small whole-number answer reads as the answer (see the module docstring)."""
+    n = rf"(?<![\w.]){number}(?:\.0+)?{_NOT_A_TERM}"
+    named = re.compile(rf"\b(?:{'|'.join(map(re.escape, sorted(names)))})\b") if names else None
+    found = []
+    if where == "source" and cell_type == "markdown":
+        said = rf"(?<!\w){_VERB}\s+{_ADVERB}{_MARK}{n}"
+        if named is not None:  # `steps_taken = 0`, not `dim=0`
+            said += rf"|{named.pattern}`?\s*==?\s*{_MARK}{n}"
+        found += [m.group(0) for m in re.finditer(said, text)]
+    elif where == "source" and named is not None:
+        compared = re.compile(rf"(?:==|\s=)\s*{n}\s*(?:#|\)|$)")
+        found += [
+            line.strip()
+            for line in text.splitlines()
+            if named.search(_normal(line)) and compared.search(_normal(line))
+        ]
+    elif where == "output" and named is not None:
+        for line in text.splitlines():
+            if (named.search(line) and re.search(n, line)) or (
+                line.strip() == str(number) and named.search(source)
+            ):
+                found.append(line.strip())
+    return found
+
+
 def _outputs_text(cell: dict[str, Any]) -> str:
     texts = []
     for output in cell.get("outputs", []):
@@ -127,6 +242,19 @@ def _outputs_text(cell: dict[str, Any]) -> str:
         for text in (output.get("text", ""), data.get("text/plain", ""), data.get("text/html", "")):
             texts.append("".join(text) if isinstance(text, list) else str(text))
     return "".join(texts)
+
+
+# An after-check cell's encoded explanation in the student edition: not readable there.
+_ENCODED = re.compile(r'(explain\("[^"\\]*", ")[A-Za-z0-9+/=]+(")')
+
+
+def _small_answer(value: object) -> int | None:
+    """A prediction's answer that is a whole number below 100 (not a boolean), else None."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    if not math.isfinite(value) or value != int(value) or abs(value) >= 100:
+        return None
+    return int(value)
 
 
 def answer_leaks(solutions: Notebook, student: Notebook, name: str = "") -> list[Leak]:
@@ -138,14 +266,22 @@ def answer_leaks(solutions: Notebook, student: Notebook, name: str = "") -> list
     position = {cell.get("id"): index for index, cell in enumerate(cells)}
     leaks: list[Leak] = []
     for exercise in exercises(solutions, name):
-        start = position[solutions["cells"][exercise.index].get("id")]
+        cell_id = solutions["cells"][exercise.index].get("id")
+        if cell_id not in position:
+            raise ValueError(f"{name}: the student edition lacks exercise {exercise.id}'s cell")
+        start = position[cell_id]
         check_id = solutions["cells"][exercise.check_index].get("id")
         before = [_source(cell) for cell in cells[:start]]
-        patterns = _value_patterns(_answer_value(exercise.key))
+        value = _answer_value(exercise.key)
+        patterns = _value_patterns(value)
+        small = _small_answer(value)
+        names = _truth_names(_source(solutions["cells"][exercise.check_index]))
         lines = _distinctive_lines(exercise, before)
+        renamed = _renamed_lines(lines, [exercise.blank, *before])
         for index in range(start + 1, len(cells)):
             cell = cells[index]
-            texts = [("source", _source(cell))]
+            source = _ENCODED.sub(r"\1\2", _source(cell))
+            texts = [("source", source)]
             original = by_id.get(cell.get("id"), {})
             if cell.get("id") != check_id:
                 texts.append(("output", _outputs_text(original)))
@@ -153,8 +289,16 @@ def answer_leaks(solutions: Notebook, student: Notebook, name: str = "") -> list
                 for pattern in patterns:
                     for match in pattern.finditer(text):
                         leaks.append(Leak(name, exercise.id, index, where, match.group(0)))
-                normal = "\n".join(_normal(line) for line in text.splitlines())
-                leaks += [
-                    Leak(name, exercise.id, index, where, line) for line in lines if line in normal
-                ]
+                normal = [_normal(line) for line in text.splitlines()]
+                joined = "\n".join(normal)
+                exact = [line for line in lines if line in joined]
+                leaks += [Leak(name, exercise.id, index, where, line, "line") for line in exact]
+                for line in normal:
+                    key = renamed.get(shape(line)[0])
+                    if key is not None and key not in exact and not any(e in line for e in exact):
+                        leaks.append(Leak(name, exercise.id, index, where, line, "renamed"))
+                if small is not None:
+                    kind = cell["cell_type"]
+                    found = _small_number_leaks(small, names, kind, where, text, source)
+                    leaks += [Leak(name, exercise.id, index, where, f, "small") for f in found]
     return leaks

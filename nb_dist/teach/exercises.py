@@ -7,14 +7,21 @@ Strict about types where a learner's slip would hide a misunderstanding: ``True`
 ``False`` without raising, so Run All goes on past an unanswered exercise. A wrong
 prediction gets the hint first and what the code gives only on a second try (or on request):
 see :func:`check`.
+
+A check given ``exercise="<id>"`` records that exercise once it is right or revealed; then
+:func:`explain` shows the exercise's explanation (the student edition's after-check cell),
+which gives the answer away and so waits for that.
 """
 
 from __future__ import annotations
 
 import ast
+import base64
 import inspect
 import math
+import sys
 import textwrap
+import zlib
 from collections.abc import Callable, Mapping
 from typing import TypeVar
 
@@ -91,8 +98,13 @@ def answered(answer: object) -> bool:
 #: How many wrong answers each prediction has had in this kernel, by its hint.
 _wrong_tries: dict[str, int] = {}
 
+#: The exercises whose check said "right" (or revealed the truth) in this kernel.
+_explainable: set[str] = set()
 
-def check(answer: object, truth: object, hint: str, reveal: bool = False) -> None:
+
+def check(
+    answer: object, truth: object, hint: str, reveal: bool = False, *, exercise: str = ""
+) -> None:
     """Print ``right: <truth>`` when ``answer`` matches ``truth``; print :data:`NOT_ANSWERED`
     while it holds ``...``; otherwise raise :class:`WrongAnswer`, which stops the cell.
 
@@ -100,15 +112,17 @@ def check(answer: object, truth: object, hint: str, reveal: bool = False) -> Non
     try again. The truth (what the code gives) comes with the second wrong answer to the same
     exercise (the same ``hint``), or at once with ``reveal=True``: ``check(answer, ...,
     reveal=True)`` in the check cell shows it on request. Returns nothing, so a check cell
-    shows only its line."""
+    shows only its line. ``exercise``: the id that :func:`explain` then knows as done."""
     if not answered(answer):
         print(NOT_ANSWERED)
         return
     if same(answer, truth):
+        _explainable.add(exercise)
         print(f"right: {truth!r}")
         return
     tries = _wrong_tries[hint] = _wrong_tries.get(hint, 0) + 1
     if reveal or tries >= 2:
+        _explainable.add(exercise)
         raise WrongAnswer(f"not quite: you said {answer!r}, the code gives {truth!r}. {hint}")
     raise WrongAnswer(
         f"not quite: you said {answer!r}. Try again with the hint (a second wrong answer, or "
@@ -116,18 +130,62 @@ def check(answer: object, truth: object, hint: str, reveal: bool = False) -> Non
     )
 
 
-def check_code(solution: T, run: Callable[[T], object], expected: object, hint: str) -> None:
+def check_code(
+    solution: T,
+    run: Callable[[T], object],
+    expected: object,
+    hint: str,
+    *,
+    exercise: str = "",
+) -> None:
     """Check a student's code: ``run(solution)`` (which may launch ranks) must give
     ``expected``. While ``solution`` still holds ``...``, nothing runs: it prints
-    :data:`NOT_ANSWERED`."""
+    :data:`NOT_ANSWERED`. ``exercise``: as for :func:`check`."""
     if not answered(solution):
         print(NOT_ANSWERED)
         return
     got = run(solution)
     if same(got, expected):
+        _explainable.add(exercise)
         print(f"right: {expected!r}")
         return
     raise WrongAnswer(f"not yet: your code gives {got!r}, it should give {expected!r}. {hint}")
 
 
-__all__ = ["NOT_ANSWERED", "WrongAnswer", "answered", "check", "check_code", "same"]
+def _in_a_kernel() -> bool:
+    """True inside a Jupyter kernel; never imports IPython (a kernel has imported it)."""
+    shell_module = sys.modules.get("IPython.core.interactiveshell")
+    if shell_module is None or not shell_module.InteractiveShell.initialized():
+        return False
+    return getattr(shell_module.InteractiveShell.instance(), "kernel", None) is not None
+
+
+def explain(exercise: str, encoded: str, anyway: bool = False) -> None:
+    """Show exercise ``exercise``'s explanation (``encoded``: its markdown, UTF-8, zlib,
+    base64) once its check said "right" or revealed the answer, or at once with
+    ``anyway=True``; before that, say why not."""
+    if not (anyway or (exercise and exercise in _explainable)):
+        print(
+            f"Exercise {exercise}'s explanation gives its answer away, so solve the exercise "
+            f'first (until its check says "right"), or run explain(..., anyway=True) to read '
+            "it now."
+        )
+        return
+    text = zlib.decompress(base64.b64decode(encoded, validate=True)).decode("utf-8")
+    if _in_a_kernel():
+        from IPython.display import Markdown, display
+
+        display(Markdown(text))
+    else:
+        print(text)
+
+
+__all__ = [
+    "NOT_ANSWERED",
+    "WrongAnswer",
+    "answered",
+    "check",
+    "check_code",
+    "explain",
+    "same",
+]

@@ -49,16 +49,21 @@ def merge_blocks(a: tuple[Any, Any, Any], b: tuple[Any, Any, Any]) -> tuple[Any,
 def average_over_dp(model: Any, dp_group: Any) -> None:
     """Notebook 22, exercise 22-2: every gradient of ``model`` replaced, in place, by its mean
     over the ranks of ``dp_group`` (an all-reduce on that group, not on the whole world)."""
+    import torch
     import torch.distributed as dist
 
     size = dist.get_world_size(dp_group)
-    for parameter in model.parameters():
-        dist.all_reduce(parameter.grad, group=dp_group)
-        parameter.grad.div_(size)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            grad = parameter.grad
+            # a DTensor's gradient (tensor parallelism): its local shard, which shares storage
+            local = grad.to_local() if hasattr(grad, "to_local") else grad
+            dist.all_reduce(local, group=dp_group)
+            local.div_(size)
 
 
 def moe_counts_per_rank(expert: Any, experts_per_rank: int, world_size: int) -> Any:
-    """Notebook 19, exercise 19-2: how many of the rows (each for ``expert``, experts placed on
+    """Notebook 19, exercise 19-3: how many of the rows (each for ``expert``, experts placed on
     the ranks in blocks of ``experts_per_rank``) go to each of the ``world_size`` ranks."""
     import torch
 
@@ -66,7 +71,7 @@ def moe_counts_per_rank(expert: Any, experts_per_rank: int, world_size: int) -> 
 
 
 def moe_combine(returned: Any, token: Any, gate: Any, n_tokens: int) -> Any:
-    """Notebook 19, exercise 19-3: the MoE layer's output, ``n_tokens`` rows: each token's
+    """Notebook 19, exercise 19-4: the MoE layer's output, ``n_tokens`` rows: each token's
     expert results (the rows of ``returned``) added up, each weighted by its gate."""
     import torch
 
@@ -249,6 +254,79 @@ def zb_h1(p: int, m: int, rank: int) -> list[tuple[str, int, int]]:
     return order + [("W", rank, j) for j in range(weights, m)]
 
 
+def moe_keep_within_capacity(expert: Any, n_experts: int, capacity: int) -> Any:
+    """Notebook 19, exercise 19-1: which rows (each for ``expert``, in queue order) an expert
+    keeps: a row is kept while fewer than ``capacity`` earlier rows chose the same expert."""
+    import torch
+
+    one_hot = torch.nn.functional.one_hot(expert, n_experts)
+    place = (one_hot.cumsum(0) - 1).gather(1, expert[:, None])[:, 0]
+    return place < capacity
+
+
+def moe_dense(x: Any, token: Any, expert: Any, gate: Any, experts: Any) -> Any:
+    """Notebook 19: the MoE layer in one process, every expert on every token, each result
+    weighted by a (tokens x experts) matrix that holds the kept rows' gates and 0 elsewhere."""
+    import torch
+
+    weights = torch.zeros(len(x), len(experts), dtype=x.dtype).index_put((token, expert), gate)
+    return sum(weights[:, e : e + 1] * mlp(x) for e, mlp in enumerate(experts))
+
+
+def plan_costs(model: dict[str, int], layout: dict[str, int]) -> dict[str, float]:
+    """Notebook 22, exercise 22-6: a training plan's ``memory`` per rank and ``traffic`` per
+    step and rank, in bytes (fp32, Adam, no recomputation), for a dense transformer ``model``
+    (``psi``, ``layers``, ``hidden``, ``heads``, ``seq``, ``micro_batch``, ``microbatches``)
+    on a ``layout`` (``pp``, ``dp``, ``cp``, ``tp``): model states ``16Ψ`` fully sharded over
+    the whole mesh (FSDP over dp and cp, notebook 15), the activations of the stage's layers for
+    ``min(pp, m)`` microbatches in flight (1F1B, notebook 17), each block's from
+    :func:`tp_block_activations` on ``s/cp`` tokens; traffic in notebook 15's units: FSDP's
+    two all-gathers and one reduce-scatter of the stage's tp shard, 4 tp all-reduces of one
+    ``(b, s/cp, h)`` activation per layer and microbatch, one activation and one gradient
+    per microbatch across a stage boundary, and ring attention's K/V hops forward and
+    backward (:func:`ring_bytes` on ``h/tp`` features)."""
+    pp, dp, cp, tp = layout["pp"], layout["dp"], layout["cp"], layout["tp"]
+    layers, h, s = model["layers"], model["hidden"], model["seq"]
+    b, m, psi = model["micro_batch"], model["microbatches"], model["psi"]
+    states = 16 * psi / (pp * dp * cp * tp)
+    in_flight = min(pp, m)
+    activations = layers / pp * in_flight * tp_block_activations(b, s // cp, h, model["heads"], tp)
+    activation = 4 * b * s / cp * h  # one (b, s/cp, h) tensor in fp32
+    traffic = 0.0
+    if dp * cp > 1:
+        traffic += 3 * 4 * psi / (pp * tp)
+    if tp > 1:
+        traffic += m * layers / pp * 4 * 2 * activation
+    if pp > 1:
+        traffic += m * 2 * activation
+    if cp > 1:
+        traffic += m * layers / pp * 2 * ring_bytes(cp, b, s, h // tp)
+    return {"memory": states + activations, "traffic": traffic}
+
+
+def ring_score_bytes(n: int, b: int = 2, a: int = 4, s: int = 64) -> int:
+    """Notebook 18, exercise 18-2: the bytes of score blocks one ring-attention rank keeps for
+    backward: one ``(b, a, s/n, s/n)`` float32 block for each of the ``n`` steps."""
+    return n * b * a * (s // n) ** 2 * 4
+
+
+def reshard_reads(
+    saved: list[tuple[str, int, int]], length: int, world: int, rank: int
+) -> list[tuple[str, int, int]]:
+    """Notebook 20, exercise 20-1: the pieces ``(file, first row, rows)`` that rank ``rank`` of
+    ``world`` reads of a tensor of ``length`` rows saved in the chunks ``saved`` (each
+    ``(file, first row, rows)``, in row order), when it holds ``torch.chunk``'s block of rows
+    (``ceil(length / world)`` rows per rank, the last ones fewer or none), as FSDP2 does."""
+    per_rank = -(-length // world)
+    start, end = rank * per_rank, min(length, (rank + 1) * per_rank)
+    pieces = []
+    for file, first, rows in saved:
+        low, high = max(start, first), min(end, first + rows)
+        if low < high:
+            pieces.append((file, low, high - low))
+    return pieces
+
+
 __all__ = [
     "average_over_dp",
     "block_activations",
@@ -261,8 +339,13 @@ __all__ = [
     "merge_blocks",
     "moe_combine",
     "moe_counts_per_rank",
+    "moe_dense",
+    "moe_keep_within_capacity",
+    "plan_costs",
     "pp_group_ranks",
+    "reshard_reads",
     "ring_bytes",
+    "ring_score_bytes",
     "sp_partial_parameters",
     "torch_1f1b",
     "tp_block_activations",
