@@ -92,7 +92,7 @@ class Supervisor:
     and drives it with the loop's operations: ``start_and_watch``, ``watch``, ``read``,
     ``read_until``, ``poll_processes``, ``set_status``, ``stop_all``, ``stop_for_failure``,
     ``mute_view``, ``close``, and what it reads of the ranks (``stacks``, ``stuck_views``,
-    ``counter_file``, ``result``, ``logs``, ``with_reports``); its state: ``config``,
+    ``counter_file``, ``result``, ``logs``, ``with_reports``); its state: ``plan``,
     ``host``, ``ranks``, ``held``.
     """
 
@@ -106,7 +106,8 @@ class Supervisor:
         *,
         policy: Policy = LAUNCH,
     ) -> None:
-        self.config = plan
+        #: What this run was planned as (``_plan.LaunchPlan``): ranks, timeouts, debugging.
+        self.plan = plan
         self.rank_envs = rank_envs
         #: Where the ranks run (this machine unless a cluster's host is given).
         self.host = host
@@ -144,7 +145,7 @@ class Supervisor:
         ``timeout`` passes first)."""
         __tracebackhide__ = True
         self._start_all()
-        timeout = self.config.timeout
+        timeout = self.plan.timeout
         deadline = None if timeout is None else time.monotonic() + timeout
         if self.watch(deadline):
             raise self._timeout_error()
@@ -193,7 +194,7 @@ class Supervisor:
     def _start_all(self) -> None:
         """Start every rank (where the host runs them), then watch its pipes."""
         try:
-            self._lifeline = self.host.start(self.config, self.rank_envs, self.ranks)
+            self._lifeline = self.host.start(self.plan, self.rank_envs, self.ranks)
         finally:
             for rank in self.ranks:
                 self._pump.add(rank)
@@ -212,7 +213,7 @@ class Supervisor:
             # within milliseconds, not a whole poll interval (~0.1 s per launch).
             exiting = any(rank.alive and rank.control_closed_at is not None for rank in run.ranks)
             wait = _watchdogs.next_wait(
-                self.config.poll_interval, exiting, deadline, run.paused_for, now
+                self.plan.poll_interval, exiting, deadline, run.paused_for, now
             )
             self.read(wait)
             self._answer_debuggers()
@@ -341,13 +342,13 @@ class Supervisor:
 
     def _hold_for_post_mortem(self, rank: Rank) -> None:
         """``debug="postmortem"``: the first rank to fail stays at its exception, not stopped."""
-        if self.config.debug != "postmortem" or rank.failure is None or not rank.alive:
+        if self.plan.debug != "postmortem" or rank.failure is None or not rank.alive:
             return
         self.held = rank
         self.set_status(rank, rank.settle())
 
     def _check_stragglers(self) -> None:
-        limit = self.config.hang_notice_after
+        limit = self.plan.hang_notice_after
         waited = _watchdogs.straggler_wait(self.current.first_finish, limit, time.monotonic())
         if waited is None:
             return
@@ -370,7 +371,7 @@ class Supervisor:
 
     def _check_rendezvous(self) -> None:
         """Stop a rendezvous that has not completed ``rendezvous_timeout`` s after it began."""
-        limit = self.config.rendezvous_timeout
+        limit = self.plan.rendezvous_timeout
         entered = [
             rank.rendezvous.entered_at for rank in self.current.ranks if rank.rendezvous.entered_at
         ]
@@ -528,7 +529,7 @@ class Supervisor:
     def _timeout_error(self) -> LaunchTimeoutError:
         live, frames = self._stop_with_stacks()
         views = self.stuck_views(live, frames)
-        timeout = self.config.timeout or 0.0
+        timeout = self.plan.timeout or 0.0
         text, stacks = _diagnosis.timeout_report(timeout, views)
         outcomes = [rank.outcome for rank in self.current.ranks]
         return self.with_reports(LaunchTimeoutError(text, timeout, stacks, outcomes, self.logs()))

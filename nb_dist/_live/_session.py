@@ -299,9 +299,9 @@ class SessionSupervisor:
         (``_rank/_regroup.py``): idle ranks drop their connections to the others until every
         stuck rank has ended its cell, then every rank forms the default group again.
         Whether that worked (every rank idle, with a fresh group, its namespace kept)."""
-        if self.loop.config.debug is not None or not stuck or self.lost is not None:
+        if self.loop.plan.debug is not None or not stuck or self.lost is not None:
             return False  # a post-mortem would open on the freed rank's connection error
-        if self.loop.config.backend != "gloo":
+        if self.loop.plan.backend != "gloo":
             # NCCL's collectives wait on the GPU, not on a socket the idle ranks could shut;
             # torch's abort would have to run inside the blocked rank. Stopped, as before.
             return False
