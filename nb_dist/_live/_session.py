@@ -3,9 +3,9 @@
 A :class:`SessionSupervisor` holds a launch's :class:`~_supervisor.Supervisor`, its
 ``loop``, whose ranks serve tasks (``_serve.py``) instead of running one function and
 exiting. The loop starts the ranks and does the ``select`` loop, output routing, stacks,
-watchdogs and teardown, through its public surface; the session gives it a fresh
-:class:`~_pump.Run` for each task, with that task's :class:`~_pump.Policy` (the part that
-differs). What the session adds is the life of one task:
+watchdogs and teardown, through its public surface; the session builds its own errors from
+``_run_errors``' pieces. It gives the loop a fresh :class:`~_pump.Run` for each task, with
+that task's :class:`~_pump.Policy` (the part that differs). What the session adds is the life of one task:
 
 - before a task: every rank alive and idle, and their collective counts in step (a notice
   if not: the next collective may pair different calls and hang);
@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .._kernel import _diagnosis, _watchdogs
+from .._kernel import _diagnosis, _run_errors, _watchdogs
 from .._kernel._errors import LaunchInterrupted, LaunchTimeoutError, WorkerFailedError
 from .._kernel._observer import Observer
 from .._kernel._output import OutputRouter
@@ -108,6 +108,11 @@ class SessionSupervisor:
         #: The supervisor loop that starts, reads, watches and stops the ranks; between
         #: tasks (and while they start) its run watches every rank under ``_BETWEEN``.
         self.loop = Supervisor(plan, envs, router, None, host, policy=_BETWEEN)
+        #: What the ranks were planned as: whether a blocked rank can be freed in place
+        #: depends on its debugging and backend (``_release``).
+        self._plan = plan
+        #: Where the ranks run: it reads their socket addresses on a cluster.
+        self._host = host
         self.task_count = 0
         self._marks = _TaskMarks()
         #: Why the ranks were stopped, once they were (the session's state is gone).
@@ -299,15 +304,15 @@ class SessionSupervisor:
         (``_rank/_regroup.py``): idle ranks drop their connections to the others until every
         stuck rank has ended its cell, then every rank forms the default group again.
         Whether that worked (every rank idle, with a fresh group, its namespace kept)."""
-        if self.loop.plan.debug is not None or not stuck or self.lost is not None:
+        if self._plan.debug is not None or not stuck or self.lost is not None:
             return False  # a post-mortem would open on the freed rank's connection error
-        if self.loop.plan.backend != "gloo":
+        if self._plan.backend != "gloo":
             # NCCL's collectives wait on the GPU, not on a socket the idle ranks could shut;
             # torch's abort would have to run inside the blocked rank. Stopped, as before.
             return False
         # The calls below are not the cell's work: its live view (which knows only the cell's
         # ranks) does not hear of them; it is closed with the cell's error.
-        self.loop.mute_view()
+        self.current.observer = None
         try:
             peers = self._rank_endpoints()
         except Exception:  # an agent that cannot read them: stopped, as when nothing frees
@@ -341,7 +346,7 @@ class SessionSupervisor:
     def _rank_endpoints(self) -> list[tuple[str, int]]:
         """Every rank's TCP socket addresses: read where the ranks run (on a cluster, by each
         node's agent), else here."""
-        found = self.loop.host.endpoints()
+        found = self._host.endpoints()
         if found is not None:
             return found
         pids = [rank.process.pid for rank in self.ranks if rank.process is not None]
@@ -419,8 +424,8 @@ class SessionSupervisor:
         root.blame("SkippedCollective", text.split("\n", 1)[0])
         outcomes = [rank.outcome for rank in run.ranks]
         message = f"{text}\n\n{self._note()}"
-        raise self.loop.with_reports(
-            WorkerFailedError(message, root.outcome, outcomes, self.loop.logs())
+        raise _run_errors.with_reports(
+            WorkerFailedError(message, root.outcome, outcomes, _run_errors.logs(run)), run
         )
 
     def _interrupt(self, running: list[Rank]) -> None:
@@ -486,9 +491,8 @@ class SessionSupervisor:
     def _task_timeout(self, timeout: float) -> LaunchTimeoutError:
         live = [rank for rank in self.current.ranks if rank.alive and not rank.finished]
         frames = self.loop.stacks(live)
-        text, stacks = _diagnosis.timeout_report(
-            timeout, self.loop.stuck_views(live, frames), "cell"
-        )
+        views = _run_errors.stuck_views(self.current, live, frames, self.loop.counter_file)
+        text, stacks = _diagnosis.timeout_report(timeout, views, "cell")
         stuck = self._settle_interrupted()
         if stuck:
             names = ", ".join(str(rank.outcome.rank) for rank in stuck)
@@ -500,8 +504,8 @@ class SessionSupervisor:
             )
         text += "\n\n" + self._note()
         outcomes = [rank.outcome for rank in self.current.ranks]
-        error = LaunchTimeoutError(text, timeout, stacks, outcomes, self.loop.logs())
-        return self.loop.with_reports(error)
+        error = LaunchTimeoutError(text, timeout, stacks, outcomes, _run_errors.logs(self.current))
+        return _run_errors.with_reports(error, self.current)
 
 
 def _idle(rank: Rank) -> bool:
