@@ -11,12 +11,13 @@ the loop, the output, the diagnosis and the results are the same for both. How a
 a failure is the other: its :class:`~_pump.Policy` (``policy=``, a launch's by default).
 
 A launch calls :meth:`Supervisor.run`. Live ranks (``_live/_session.py``) hold a supervisor
-and drive its loop task by task through a small public surface (see :class:`Supervisor`);
-the rest stays private. This module is the loop itself (start, read, poll, watch); how it
-ends its ranks is ``_teardown.py``, and the errors and notices it raises and shows are built
-by ``_run_errors.py``. How a rank is started and reaped is in ``_processes.py``, what it says
-on its control pipe in ``_protocol.py``, and what a stuck or failed launch means in
-``_diagnosis.py``. A rank's status changes in one place, :meth:`Supervisor.set_status`.
+and drive its loop task by task through a small public surface (the members the session's
+``TaskLoop`` names); the rest stays private. This module is the loop itself (start, read,
+poll, watch); how it ends its ranks is ``_teardown.py``, and the errors and notices it raises
+and shows are built by ``_run_errors.py``. How a rank is started and reaped is in
+``_processes.py``, what it says on its control pipe in ``_protocol.py``, and what a stuck or
+failed launch means in ``_diagnosis.py``. A rank's status changes in one place,
+:meth:`Supervisor.set_status`.
 """
 
 from __future__ import annotations
@@ -82,10 +83,8 @@ class Supervisor:
 
     An owner that drives it run by run (a live session) begins each run with ``begin_run``,
     which returns the :class:`~_pump.Run` the owner then reads (its ranks, router, reports),
-    and drives it with the loop's operations: ``start_and_watch``, ``watch``, ``read``,
-    ``read_until``, ``poll_processes``, ``set_status``, ``stop_all``, ``stop_for_failure``,
-    ``close``, and what it reads of the ranks (``stacks``, ``counter_file``, ``result``);
-    its state: ``plan``, ``host``, ``ranks``, ``held``. Ending the ranks is ``_teardown.py``'s,
+    and drives it with the loop's operations; the session names the ones it uses in its
+    ``TaskLoop`` protocol (``_live/_session.py``). Ending the ranks is ``_teardown.py``'s,
     building the run's errors ``_run_errors.py``'s; the loop calls them.
     """
 

@@ -3,9 +3,10 @@
 A :class:`SessionSupervisor` holds a launch's :class:`~_supervisor.Supervisor`, its
 ``loop``, whose ranks serve tasks (``_serve.py``) instead of running one function and
 exiting. The loop starts the ranks and does the ``select`` loop, output routing, stacks,
-watchdogs and teardown, through its public surface; the session builds its own errors from
-``_run_errors``' pieces. It gives the loop a fresh :class:`~_pump.Run` for each task, with
-that task's :class:`~_pump.Policy` (the part that differs). What the session adds is the life of one task:
+watchdogs and teardown; the session sees it only through :class:`TaskLoop`, the members it
+uses, and builds its own errors from ``_run_errors``' pieces. It gives the loop a fresh
+:class:`~_pump.Run` for each task, with that task's :class:`~_pump.Policy` (the part that
+differs). What the session adds is the life of one task:
 
 - before a task: every rank alive and idle, and their collective counts in step (a notice
   if not: the next collective may pair different calls and hang);
@@ -31,9 +32,10 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from .._kernel import _diagnosis, _run_errors, _watchdogs
-from .._kernel._errors import LaunchInterrupted, LaunchTimeoutError, WorkerFailedError
+from .._kernel._errors import LaunchInterrupted, LaunchTimeoutError, RankStatus, WorkerFailedError
 from .._kernel._observer import Observer
 from .._kernel._output import OutputRouter
 from .._kernel._plan import LaunchPlan
@@ -42,6 +44,7 @@ from .._kernel._rank_handle import Rank
 from .._kernel._supervisor import RankHost, RunResult, Supervisor
 from .._rank import _regroup
 from .._shared import _collectives, _protocol, _shipping
+from .._shared._reporting import Reports
 from .._starter._processes import signal_name
 
 _log = logging.getLogger(__name__)
@@ -67,6 +70,80 @@ LIMIT_HINT = "give the cell a limit (%%ranks --timeout 30, or timeout=... on exe
 #: Starting the ranks and between tasks: a failure stops every rank (as in a launch), and a
 #: failed rank's debugger is answered in the cell (there is no later ``%debug`` for it).
 _BETWEEN = Policy(answers_post_mortems=True)
+
+
+class TaskLoop(Protocol):
+    """What the session uses of its supervisor loop (``_supervisor.Supervisor``), and no more:
+    the ranks and the run going on, beginning a run, starting and watching, reading, the
+    status change, stopping, the ranks' stacks and counters, the run's result, closing."""
+
+    @property
+    def ranks(self) -> list[Rank]:
+        """Every rank, in index order."""
+        ...
+
+    @property
+    def current(self) -> Run:
+        """The run now going on (a task's, or the time between tasks)."""
+        ...
+
+    def begin_run(
+        self,
+        ranks: list[Rank],
+        router: OutputRouter,
+        policy: Policy,
+        reports: Reports | None = None,
+        observer: Observer | None = None,
+    ) -> Run:
+        """A fresh run over ``ranks``: nothing carries over but ``reports``."""
+        ...
+
+    def start_and_watch(self) -> None:
+        """Start every rank and read them until the run ends (the ranks' start)."""
+        ...
+
+    def watch(self, deadline: float | None) -> bool:
+        """The loop and its watchdogs until the run's ranks have ended; whether ``deadline``
+        passed first."""
+        ...
+
+    def read(self, wait: float) -> None:
+        """Read the ranks' pipes for up to ``wait`` s."""
+        ...
+
+    def read_until(
+        self, done: Callable[[], bool], seconds: float, each: Callable[[], None] | None = None
+    ) -> bool:
+        """Read and notice ended ranks until ``done()`` or ``seconds`` pass; whether done."""
+        ...
+
+    def poll_processes(self) -> None:
+        """Notice the run's ranks that ended."""
+        ...
+
+    def set_status(self, rank: Rank, status: RankStatus) -> None:
+        """The one place a rank's status changes."""
+        ...
+
+    def stop_for_failure(self) -> None:
+        """Stop every rank of the run; no other failure of it is handled."""
+        ...
+
+    def stacks(self, ranks: list[Rank]) -> _run_errors.Stacks:
+        """The live ``ranks``' Python stacks, by index."""
+        ...
+
+    def counter_file(self, rank: Rank) -> str | None:
+        """The rank's collective counter file, if it has one."""
+        ...
+
+    def result(self) -> RunResult:
+        """The run's values, or raise its root cause."""
+        ...
+
+    def close(self) -> None:
+        """Stop reading, close the kernel's pipe ends, the lifeline and the host."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -107,7 +184,7 @@ class SessionSupervisor:
     ) -> None:
         #: The supervisor loop that starts, reads, watches and stops the ranks; between
         #: tasks (and while they start) its run watches every rank under ``_BETWEEN``.
-        self.loop = Supervisor(plan, envs, router, None, host, policy=_BETWEEN)
+        self.loop: TaskLoop = Supervisor(plan, envs, router, None, host, policy=_BETWEEN)
         #: What the ranks were planned as: whether a blocked rank can be freed in place
         #: depends on its debugging and backend (``_release``).
         self._plan = plan
