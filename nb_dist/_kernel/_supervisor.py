@@ -11,50 +11,44 @@ the loop, the output, the diagnosis and the results are the same for both. How a
 a failure is the other: its :class:`~_pump.Policy` (``policy=``, a launch's by default).
 
 A launch calls :meth:`Supervisor.run`. Live ranks (``_live/_session.py``) hold a supervisor
-and drive its loop task by task through a small public surface (see :class:`Supervisor`);
-the rest stays private. How a rank is started and reaped is in ``_processes.py``, what it
-says on its control pipe in ``_protocol.py``, and what a stuck or failed launch means in
-``_diagnosis.py``. A rank's status changes in one place, :meth:`Supervisor.set_status`.
+and drive its loop task by task through a small public surface (the members the session's
+``TaskLoop`` names); the rest stays private. This module is the loop itself (start, read,
+poll, watch); how it ends its ranks is ``_teardown.py``, and the errors and notices it raises
+and shows are built by ``_run_errors.py``. How a rank is started and reaped is in
+``_processes.py``, what it says on its control pipe in ``_protocol.py``, and what a stuck or
+failed launch means in ``_diagnosis.py``. A rank's status changes in one place,
+:meth:`Supervisor.set_status`.
 """
 
 from __future__ import annotations
 
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 from .._shared import _protocol
 from .._shared._protocol import COLLECTIVES_ENV
 from .._shared._reporting import Reports
-from .._starter._processes import REAP_WITHIN
 from .._starter._run_parts import DRAIN_AFTER_EXIT
-from . import _diagnosis, _prompts, _watchdogs
-from ._errors import LaunchError as _LaunchError
-from ._errors import (
-    LaunchTimeoutError,
-    RankOutcome,
-    RankStatus,
-    RendezvousTimeoutError,
-    WorkerFailedError,
-)
+from . import _diagnosis, _prompts, _run_errors, _teardown, _watchdogs
+from ._errors import LaunchTimeoutError, RankOutcome, RankStatus
 from ._observer import Observer
 from ._output import OutputRouter
 from ._plan import LaunchPlan
 from ._pump import LAUNCH, Policy, Pump, Run, poll_exit
 from ._rank_handle import FINAL, Rank
 
-# How long a stopped rank gets between SIGTERM and SIGKILL; keeps "stopped within 1 s".
-STOP_GRACE = 0.4
 # A partial line (no newline yet) is shown after this long anyway.
 PARTIAL_LINE_AFTER = 1.0
-_Error = TypeVar("_Error", bound=_LaunchError)
 
 
 @dataclass
 class RunResult:
+    """A run that ended well: each rank's value, in rank order, with what the run
+    collected (the reports, the outcomes, each rank's duration)."""
+
     values: list[Any]
     reports: Reports
     outcomes: list[RankOutcome]
@@ -89,11 +83,9 @@ class Supervisor:
 
     An owner that drives it run by run (a live session) begins each run with ``begin_run``,
     which returns the :class:`~_pump.Run` the owner then reads (its ranks, router, reports),
-    and drives it with the loop's operations: ``start_and_watch``, ``watch``, ``read``,
-    ``read_until``, ``poll_processes``, ``set_status``, ``stop_all``, ``stop_for_failure``,
-    ``mute_view``, ``close``, and what it reads of the ranks (``stacks``, ``stuck_views``,
-    ``counter_file``, ``result``, ``logs``, ``with_reports``); its state: ``config``,
-    ``host``, ``ranks``, ``held``.
+    and drives it with the loop's operations; the session names the ones it uses in its
+    ``TaskLoop`` protocol (``_live/_session.py``). Ending the ranks is ``_teardown.py``'s,
+    building the run's errors ``_run_errors.py``'s; the loop calls them.
     """
 
     def __init__(
@@ -106,7 +98,8 @@ class Supervisor:
         *,
         policy: Policy = LAUNCH,
     ) -> None:
-        self.config = plan
+        #: What this run was planned as (``_plan.LaunchPlan``): ranks, timeouts, debugging.
+        self.plan = plan
         self.rank_envs = rank_envs
         #: Where the ranks run (this machine unless a cluster's host is given).
         self.host = host
@@ -144,7 +137,7 @@ class Supervisor:
         ``timeout`` passes first)."""
         __tracebackhide__ = True
         self._start_all()
-        timeout = self.config.timeout
+        timeout = self.plan.timeout
         deadline = None if timeout is None else time.monotonic() + timeout
         if self.watch(deadline):
             raise self._timeout_error()
@@ -156,6 +149,8 @@ class Supervisor:
 
     # ----------------------------------------------------------------- the attempt
     def run(self) -> RunResult:
+        """One launch attempt: start, watch and end every rank; their values, or the run's
+        error once every rank is stopped, reaped and drained."""
         __tracebackhide__ = True
         try:
             self.start_and_watch()
@@ -193,7 +188,7 @@ class Supervisor:
     def _start_all(self) -> None:
         """Start every rank (where the host runs them), then watch its pipes."""
         try:
-            self._lifeline = self.host.start(self.config, self.rank_envs, self.ranks)
+            self._lifeline = self.host.start(self.plan, self.rank_envs, self.ranks)
         finally:
             for rank in self.ranks:
                 self._pump.add(rank)
@@ -212,7 +207,7 @@ class Supervisor:
             # within milliseconds, not a whole poll interval (~0.1 s per launch).
             exiting = any(rank.alive and rank.control_closed_at is not None for rank in run.ranks)
             wait = _watchdogs.next_wait(
-                self.config.poll_interval, exiting, deadline, run.paused_for, now
+                self.plan.poll_interval, exiting, deadline, run.paused_for, now
             )
             self.read(wait)
             self._answer_debuggers()
@@ -248,6 +243,7 @@ class Supervisor:
         return True
 
     def _handle(self, rank: Rank, message: _protocol.Message) -> None:
+        """A rank's control message: the rank turns it into state, its status changes here."""
         status = rank.handle(
             message,
             self.current.router,
@@ -305,6 +301,7 @@ class Supervisor:
         self.set_status(rank, rank.settle())
 
     def _flush_stale_partials(self) -> None:
+        """Show a partial line that has waited ``PARTIAL_LINE_AFTER`` s (a progress bar)."""
         now = time.monotonic()
         for rank in self.current.ranks:
             for kind, splitter in rank.splitters.items():
@@ -313,6 +310,8 @@ class Supervisor:
                     self.current.router.lines(rank.index, kind, splitter.flush())
 
     def _check_failures(self) -> None:
+        """The failure watchdog: the run's policy reacts, or (a launch) the first failed
+        rank is held for a post-mortem if asked and every other rank is stopped."""
         if self.current.policy.on_failure is not None:
             self.current.policy.on_failure()
             return
@@ -335,42 +334,25 @@ class Supervisor:
         self.current.failure_seen = True
         self.stop_all()
 
-    def mute_view(self) -> None:
-        """The run's live view hears no more of it (what follows is not the cell's work)."""
-        self.current.observer = None
-
     def _hold_for_post_mortem(self, rank: Rank) -> None:
         """``debug="postmortem"``: the first rank to fail stays at its exception, not stopped."""
-        if self.config.debug != "postmortem" or rank.failure is None or not rank.alive:
+        if self.plan.debug != "postmortem" or rank.failure is None or not rank.alive:
             return
         self.held = rank
         self.set_status(rank, rank.settle())
 
     def _check_stragglers(self) -> None:
-        limit = self.config.hang_notice_after
-        waited = _watchdogs.straggler_wait(self.current.first_finish, limit, time.monotonic())
-        if waited is None:
-            return
-        finished = [rank.outcome.rank for rank in self.current.ranks if rank.outcome.status == "ok"]
-        for rank in self.current.ranks:
-            noticed = rank.index in self.current.hang_noticed
-            if rank.finished or not rank.alive or noticed:
-                continue
-            self.current.hang_noticed.add(rank.index)
-            returned = rank.outcome.returned_at
-            if returned is not None:
-                ago = time.monotonic() - returned
-                self.current.router.notice(_diagnosis.teardown_notice(rank.outcome.rank, ago))
-                continue
-            frames = self.stacks([rank]).get(rank.index, [])
-            notice = _diagnosis.straggler_notice(
-                rank.outcome.rank, waited, finished, frames, self.current.policy.limit_hint
-            )
+        """Show a notice for each rank still running ``hang_notice_after`` s after the first
+        finished (``_run_errors.straggler_notices``)."""
+        notices = _run_errors.straggler_notices(
+            self.current, self.plan.hang_notice_after, self.stacks
+        )
+        for notice in notices:
             self.current.router.notice(notice)
 
     def _check_rendezvous(self) -> None:
         """Stop a rendezvous that has not completed ``rendezvous_timeout`` s after it began."""
-        limit = self.config.rendezvous_timeout
+        limit = self.plan.rendezvous_timeout
         entered = [
             rank.rendezvous.entered_at for rank in self.current.ranks if rank.rendezvous.entered_at
         ]
@@ -382,83 +364,37 @@ class Supervisor:
             self.current.rdzv_complete = True
         elif _watchdogs.rendezvous_overdue(entered, limit, time.monotonic()):
             assert limit is not None
-            raise self._rendezvous_error(limit)
+            live, frames = self._stop_with_stacks()
+            raise _run_errors.rendezvous_error(self.current, limit, live, frames, time.monotonic())
 
     # ----------------------------------------------------------------- stacks
-    def stacks(self, ranks: list[Rank]) -> dict[int, list[_diagnosis.Frame]]:
-        """Ask live ranks for their Python stacks (SIGUSR1 → faulthandler) and parse them."""
-        asked = [rank for rank in ranks if rank.ask_for_stack()]
-        deadline = time.monotonic() + 0.5
-        quiet_since: float | None = None
-        while asked and time.monotonic() < deadline:
-            before = sum(len(rank.stack) for rank in asked)
-            self.read(0.02)
-            if (
-                all(rank.stack for rank in asked)
-                and sum(len(rank.stack) for rank in asked) == before
-            ):
-                quiet_since = quiet_since or time.monotonic()
-                if time.monotonic() - quiet_since > 0.05:
-                    break
-            else:
-                quiet_since = None
-        return {rank.index: rank.read_stack() for rank in asked}
+    def stacks(self, ranks: list[Rank]) -> _run_errors.Stacks:
+        """Ask live ranks for their Python stacks (SIGUSR1 → faulthandler) and parse them,
+        reading the pipes meanwhile (``_run_errors.stacks``)."""
+        return _run_errors.stacks(ranks, self.read)
 
     # ----------------------------------------------------------------- stop
     def stop_all(self) -> None:
-        """SIGTERM every live rank's process group, then SIGKILL what is left after a grace."""
+        """Stop every live rank of the current run but a held one (``_teardown.stop``)."""
         live = [rank for rank in self.current.ranks if rank.alive and rank is not self.held]
-        for rank in live:
-            rank.request_stop()
-            assert rank.process is not None
-            rank.process.send_signal(signal.SIGTERM)
-        self.read_until(lambda: not any(rank.alive for rank in live), STOP_GRACE)
-        for rank in live:
-            if rank.alive and rank.process is not None:
-                rank.process.send_signal(signal.SIGKILL)
+        _teardown.stop(live, self.read_until)
 
     def _drain_and_reap(self) -> None:
-        ranks = self.current.ranks
-        if not self.read_until(
-            lambda: all(rank.finished for rank in ranks), DRAIN_AFTER_EXIT + STOP_GRACE
-        ):
-            # Every group killed at once, then all reaped by one deadline: a teardown waits
-            # REAP_WITHIN at most, however many ranks are stuck.
-            for rank in ranks:
-                if rank.alive and rank.process is not None:
-                    rank.request_stop()
-                    rank.process.send_signal(signal.SIGKILL)
-            deadline = time.monotonic() + REAP_WITHIN
-            for rank in ranks:
-                rank.kill(by=deadline)
-                if not rank.finished:
-                    self._finalize(rank)
-        for rank in ranks:
-            rank.drain_streams(self.current.router)  # its last lines, if still in the pipe
-            for kind, splitter in rank.splitters.items():
-                self.current.router.lines(rank.index, kind, splitter.flush())
+        """Read the current run's ranks to their end, reap them (``_teardown``)."""
+        _teardown.drain_and_reap(
+            self.current.ranks, self.current.router, self.read_until, self._finalize
+        )
 
     def close(self) -> None:
-        """Stop reading and close the kernel's pipe ends (a held rank's stay open), then the
-        lifeline and the host, unless a held rank's post-mortem ends them later."""
-        for rank in self.ranks:
-            for conn in rank.pipes.values():
-                self._pump.remove(conn)
-                if rank is not self.held:
-                    conn.close()
-            if rank.commands is not None and rank is not self.held:
-                rank.commands.close()
-        self._pump.close()
-        if self.held is not None and self.held.alive:
-            return  # the lifeline and the host now end with the post-mortem (see _result)
-        if self._lifeline is not None and not self._lifeline.closed:
-            self._lifeline.close()
-        self.host.close()
+        """Stop reading and close the kernel's pipe ends, the lifeline and the host; a held
+        rank's stay open for its post-mortem (``_teardown.close``)."""
+        _teardown.close(self.ranks, self._pump, self.held, self._lifeline, self.host.close)
 
     # ----------------------------------------------------------------- results
     def result(self) -> RunResult:
         """The current run's values, or raise its root cause (a post-mortem attached if a
         failed rank is held at its prompt)."""
+        __tracebackhide__ = True
         outcomes = [rank.outcome for rank in self.current.ranks]
         if all(o.status == "ok" for o in outcomes):
             return RunResult(
@@ -471,35 +407,16 @@ class Supervisor:
         for rank in self.current.ranks:
             if rank.outcome in collateral:
                 self.set_status(rank, "collateral")
-        logs = self.logs()
-        # The root's log by its place among this kernel's ranks (its LOCAL_RANK is its place
-        # on its node: on a cluster every node has a LOCAL_RANK 0).
-        root_log = logs[next(i for i, o in enumerate(outcomes) if o is root)]
-        message = _diagnosis.failure_message(root, outcomes, root_log)
+        logs = _run_errors.logs(self.current)  # before a held rank's debugger says more
         held = self._held_at_its_prompt()
-        if held is not None:
-            message += "\n\n" + _diagnosis.post_mortem_note(held.outcome.rank)
-        closing = self.current.policy.closing_note
-        note = closing() if closing is not None else ""
-        if note:
-            message += "\n\n" + note
-        error = WorkerFailedError(message, root, outcomes, logs)
+        error = _run_errors.failure_error(self.current, root, logs, held)
         if held is not None:
             error.post_mortem = _prompts.PostMortem(
                 held, self._lifeline, self.current.router, self.host.close
             )
             self._post_mortem_given = True
             _prompts.hook_debug_magic()
-        return self._raise(error)
-
-    def stuck_views(
-        self, live: list[Rank], frames: dict[int, list[_diagnosis.Frame]]
-    ) -> list[_diagnosis.StuckRank]:
-        """Every rank for a timeout report: where the live ones were, their collectives."""
-        return [
-            rank.stuck_view(rank in live, frames.get(rank.index), self.counter_file(rank))
-            for rank in self.current.ranks
-        ]
+        raise error
 
     def _held_at_its_prompt(self) -> Rank | None:
         """The held rank once its debugger has asked for a command (within 2 s); a rank that
@@ -526,38 +443,11 @@ class Supervisor:
         return live, frames
 
     def _timeout_error(self) -> LaunchTimeoutError:
+        """Stop every rank, their stacks taken first, and build the ``timeout``'s error."""
         live, frames = self._stop_with_stacks()
-        views = self.stuck_views(live, frames)
-        timeout = self.config.timeout or 0.0
-        text, stacks = _diagnosis.timeout_report(timeout, views)
-        outcomes = [rank.outcome for rank in self.current.ranks]
-        return self.with_reports(LaunchTimeoutError(text, timeout, stacks, outcomes, self.logs()))
-
-    def _rendezvous_error(self, limit: float) -> RendezvousTimeoutError:
-        live, frames = self._stop_with_stacks()
-        now = time.monotonic()
-        views = [
-            rank.rendezvous_view(now, rank in live, frames.get(rank.index))
-            for rank in self.current.ranks
-        ]
-        text, stacks = _diagnosis.rendezvous_report(limit, len(self.current.ranks), views)
-        outcomes = [rank.outcome for rank in self.current.ranks]
-        error = RendezvousTimeoutError(text, limit, stacks, outcomes, self.logs())
-        return self.with_reports(error)
+        timeout = self.plan.timeout or 0.0
+        return _run_errors.timeout_error(self.current, timeout, live, frames, self.counter_file)
 
     def counter_file(self, rank: Rank) -> str | None:
         """The rank's collective counter file (``_collectives.py``), if it has one."""
         return self.rank_envs[rank.index].get(COLLECTIVES_ENV)
-
-    def logs(self) -> list[str]:
-        """The current run's log text, one per rank, for an error."""
-        return [self.current.router.log_text(rank.index) for rank in self.current.ranks]
-
-    def with_reports(self, error: _Error) -> _Error:
-        """``error`` carrying the current run's reports."""
-        error.reports = self.current.reports
-        return error
-
-    def _raise(self, error: WorkerFailedError) -> RunResult:
-        __tracebackhide__ = True
-        raise self.with_reports(error)

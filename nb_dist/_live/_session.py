@@ -3,7 +3,8 @@
 A :class:`SessionSupervisor` holds a launch's :class:`~_supervisor.Supervisor`, its
 ``loop``, whose ranks serve tasks (``_serve.py``) instead of running one function and
 exiting. The loop starts the ranks and does the ``select`` loop, output routing, stacks,
-watchdogs and teardown, through its public surface; the session gives it a fresh
+watchdogs and teardown; the session sees it only through :class:`TaskLoop`, the members it
+uses, and builds its own errors from ``_run_errors``' pieces. It gives the loop a fresh
 :class:`~_pump.Run` for each task, with that task's :class:`~_pump.Policy` (the part that
 differs). What the session adds is the life of one task:
 
@@ -31,9 +32,10 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
-from .._kernel import _diagnosis, _watchdogs
-from .._kernel._errors import LaunchInterrupted, LaunchTimeoutError, WorkerFailedError
+from .._kernel import _diagnosis, _run_errors, _watchdogs
+from .._kernel._errors import LaunchInterrupted, LaunchTimeoutError, RankStatus, WorkerFailedError
 from .._kernel._observer import Observer
 from .._kernel._output import OutputRouter
 from .._kernel._plan import LaunchPlan
@@ -42,6 +44,7 @@ from .._kernel._rank_handle import Rank
 from .._kernel._supervisor import RankHost, RunResult, Supervisor
 from .._rank import _regroup
 from .._shared import _collectives, _protocol, _shipping
+from .._shared._reporting import Reports
 from .._starter._processes import signal_name
 
 _log = logging.getLogger(__name__)
@@ -67,6 +70,80 @@ LIMIT_HINT = "give the cell a limit (%%ranks --timeout 30, or timeout=... on exe
 #: Starting the ranks and between tasks: a failure stops every rank (as in a launch), and a
 #: failed rank's debugger is answered in the cell (there is no later ``%debug`` for it).
 _BETWEEN = Policy(answers_post_mortems=True)
+
+
+class TaskLoop(Protocol):
+    """What the session uses of its supervisor loop (``_supervisor.Supervisor``), and no more:
+    the ranks and the run going on, beginning a run, starting and watching, reading, the
+    status change, stopping, the ranks' stacks and counters, the run's result, closing."""
+
+    @property
+    def ranks(self) -> list[Rank]:
+        """Every rank, in index order."""
+        ...
+
+    @property
+    def current(self) -> Run:
+        """The run now going on (a task's, or the time between tasks)."""
+        ...
+
+    def begin_run(
+        self,
+        ranks: list[Rank],
+        router: OutputRouter,
+        policy: Policy,
+        reports: Reports | None = None,
+        observer: Observer | None = None,
+    ) -> Run:
+        """A fresh run over ``ranks``: nothing carries over but ``reports``."""
+        ...
+
+    def start_and_watch(self) -> None:
+        """Start every rank and read them until the run ends (the ranks' start)."""
+        ...
+
+    def watch(self, deadline: float | None) -> bool:
+        """The loop and its watchdogs until the run's ranks have ended; whether ``deadline``
+        passed first."""
+        ...
+
+    def read(self, wait: float) -> None:
+        """Read the ranks' pipes for up to ``wait`` s."""
+        ...
+
+    def read_until(
+        self, done: Callable[[], bool], seconds: float, each: Callable[[], None] | None = None
+    ) -> bool:
+        """Read and notice ended ranks until ``done()`` or ``seconds`` pass; whether done."""
+        ...
+
+    def poll_processes(self) -> None:
+        """Notice the run's ranks that ended."""
+        ...
+
+    def set_status(self, rank: Rank, status: RankStatus) -> None:
+        """The one place a rank's status changes."""
+        ...
+
+    def stop_for_failure(self) -> None:
+        """Stop every rank of the run; no other failure of it is handled."""
+        ...
+
+    def stacks(self, ranks: list[Rank]) -> _run_errors.Stacks:
+        """The live ``ranks``' Python stacks, by index."""
+        ...
+
+    def counter_file(self, rank: Rank) -> str | None:
+        """The rank's collective counter file, if it has one."""
+        ...
+
+    def result(self) -> RunResult:
+        """The run's values, or raise its root cause."""
+        ...
+
+    def close(self) -> None:
+        """Stop reading, close the kernel's pipe ends, the lifeline and the host."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -107,7 +184,12 @@ class SessionSupervisor:
     ) -> None:
         #: The supervisor loop that starts, reads, watches and stops the ranks; between
         #: tasks (and while they start) its run watches every rank under ``_BETWEEN``.
-        self.loop = Supervisor(plan, envs, router, None, host, policy=_BETWEEN)
+        self.loop: TaskLoop = Supervisor(plan, envs, router, None, host, policy=_BETWEEN)
+        #: What the ranks were planned as: whether a blocked rank can be freed in place
+        #: depends on its debugging and backend (``_release``).
+        self._plan = plan
+        #: Where the ranks run: it reads their socket addresses on a cluster.
+        self._host = host
         self.task_count = 0
         self._marks = _TaskMarks()
         #: Why the ranks were stopped, once they were (the session's state is gone).
@@ -299,15 +381,15 @@ class SessionSupervisor:
         (``_rank/_regroup.py``): idle ranks drop their connections to the others until every
         stuck rank has ended its cell, then every rank forms the default group again.
         Whether that worked (every rank idle, with a fresh group, its namespace kept)."""
-        if self.loop.config.debug is not None or not stuck or self.lost is not None:
+        if self._plan.debug is not None or not stuck or self.lost is not None:
             return False  # a post-mortem would open on the freed rank's connection error
-        if self.loop.config.backend != "gloo":
+        if self._plan.backend != "gloo":
             # NCCL's collectives wait on the GPU, not on a socket the idle ranks could shut;
             # torch's abort would have to run inside the blocked rank. Stopped, as before.
             return False
         # The calls below are not the cell's work: its live view (which knows only the cell's
         # ranks) does not hear of them; it is closed with the cell's error.
-        self.loop.mute_view()
+        self.current.observer = None
         try:
             peers = self._rank_endpoints()
         except Exception:  # an agent that cannot read them: stopped, as when nothing frees
@@ -341,7 +423,7 @@ class SessionSupervisor:
     def _rank_endpoints(self) -> list[tuple[str, int]]:
         """Every rank's TCP socket addresses: read where the ranks run (on a cluster, by each
         node's agent), else here."""
-        found = self.loop.host.endpoints()
+        found = self._host.endpoints()
         if found is not None:
             return found
         pids = [rank.process.pid for rank in self.ranks if rank.process is not None]
@@ -419,8 +501,8 @@ class SessionSupervisor:
         root.blame("SkippedCollective", text.split("\n", 1)[0])
         outcomes = [rank.outcome for rank in run.ranks]
         message = f"{text}\n\n{self._note()}"
-        raise self.loop.with_reports(
-            WorkerFailedError(message, root.outcome, outcomes, self.loop.logs())
+        raise _run_errors.with_reports(
+            WorkerFailedError(message, root.outcome, outcomes, _run_errors.logs(run)), run
         )
 
     def _interrupt(self, running: list[Rank]) -> None:
@@ -486,9 +568,8 @@ class SessionSupervisor:
     def _task_timeout(self, timeout: float) -> LaunchTimeoutError:
         live = [rank for rank in self.current.ranks if rank.alive and not rank.finished]
         frames = self.loop.stacks(live)
-        text, stacks = _diagnosis.timeout_report(
-            timeout, self.loop.stuck_views(live, frames), "cell"
-        )
+        views = _run_errors.stuck_views(self.current, live, frames, self.loop.counter_file)
+        text, stacks = _diagnosis.timeout_report(timeout, views, "cell")
         stuck = self._settle_interrupted()
         if stuck:
             names = ", ".join(str(rank.outcome.rank) for rank in stuck)
@@ -500,8 +581,8 @@ class SessionSupervisor:
             )
         text += "\n\n" + self._note()
         outcomes = [rank.outcome for rank in self.current.ranks]
-        error = LaunchTimeoutError(text, timeout, stacks, outcomes, self.loop.logs())
-        return self.loop.with_reports(error)
+        error = LaunchTimeoutError(text, timeout, stacks, outcomes, _run_errors.logs(self.current))
+        return _run_errors.with_reports(error, self.current)
 
 
 def _idle(rank: Rank) -> bool:
