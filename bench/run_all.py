@@ -49,6 +49,7 @@ BENCHMARKS = (
     "live_ranks",
     "group_teardown_hang",
     "first_cell",
+    "fast_lane",
 )
 README = ROOT / "README.md"
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"

@@ -7,7 +7,8 @@ kernel's in a rank:
 - the silent ``nb_dist`` logger (a ``NullHandler``: what users need not see goes there);
 - ``PYTORCH_NVML_BASED_CUDA_CHECK=1`` (unless set): ``torch.cuda.is_available()`` in a cell
   asks NVML instead of initializing CUDA, so it does not poison later forks;
-- the CUDA-touch recorder (``_shared/_cuda_touches.py``), when torch is imported;
+- the CUDA-touch recorder (``_shared/_cuda_touches.py``), when torch is imported (on CUDA
+  builds only; ``NB_DIST_CUDA_RECORDER=0``: off, and a refusal cannot name the line);
 - in an IPython shell only: cells named as IPython 8 names them on IPython 7 (``Cell In[5]``
   in tracebacks and hang reports), and in a Jupyter kernel the warm imports of a first DDP
   cell in the background (``_kernel/_warm.py``; ``NB_DIST_WARM_IMPORTS=0``: off).
@@ -28,9 +29,10 @@ def prepare() -> None:
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     if RANK_ENV_FLAG in os.environ:
         return  # a rank: nothing of the kernel's
-    from ._shared import _cuda_touches
+    if os.environ.get("NB_DIST_CUDA_RECORDER") != "0":
+        from ._shared import _cuda_touches
 
-    _cuda_touches.record()
+        _cuda_touches.record()
     if sys.modules.get("IPython") is None:
         return  # no shell here (a script, a node agent)
     # The kernel's side, imported only in a shell: a rank or a node agent never loads it.

@@ -109,7 +109,9 @@ def test_run_demo_in_process_returns_a_summary(capsys):
     assert summary.params_identical
     assert len({r["checksum"] for r in summary.ranks}) == 1
     assert len({r["pid"] for r in summary.ranks} | {os.getpid()}) == 3  # two real workers
-    assert 0 < summary.wall_time < 60
+    # A launch of 2 ranks takes 0.07 s and the demo's epoch about 0.3 s here (bench/
+    # launch_latency.py); 10 s is a few times that with a cold import on a loaded box.
+    assert 0 < summary.wall_time < 10
     as_dict = json.loads(json.dumps(summary.as_dict()))
     assert as_dict["params_identical"] is True and as_dict["ranks"][1]["rank"] == 1
     out = capsys.readouterr().out

@@ -213,3 +213,32 @@ def test_a_pipe_nobody_reads_any_more_drops_its_bytes_and_the_rest_go_on():
         link.close()
         for rank in pipes:
             rank.close()
+
+
+def test_the_stand_in_main_of_overlapping_starts_gives_back_the_real_one():
+    """Two overlapping starts in an agent (the forkserver's warm-up and a rank) each see the
+    stand-in ``__main__``; the real module is back once both ended, in either order."""
+    import sys
+    import threading
+
+    from nb_dist._node._agent import _plain_main
+
+    real = sys.modules["__main__"]
+    entered, leave_first = threading.Event(), threading.Event()
+    seen: list[object] = []
+
+    def first() -> None:
+        with _plain_main():
+            seen.append(sys.modules["__main__"])
+            entered.set()
+            leave_first.wait(10)
+
+    thread = threading.Thread(target=first)
+    thread.start()
+    assert entered.wait(10)
+    with _plain_main():
+        assert sys.modules["__main__"] is seen[0] is not real
+        leave_first.set()
+        thread.join(10)
+        assert sys.modules["__main__"] is not real  # the other start is still inside
+    assert sys.modules["__main__"] is real

@@ -117,6 +117,20 @@ def test_cuda_touches_are_recorded_once_torch_arrives_in_either_order():
     assert (torch_first["before"], torch_first["after"], torch_first["hooks"]) == (final, final, [])
 
 
+def test_the_cuda_touch_recorder_can_be_turned_off():
+    """NB_DIST_CUDA_RECORDER=0: no import hook, nothing wrapped when torch arrives (the state
+    stays "off", where a CPU build says "CPU build" and a CUDA build "recording")."""
+    code = """
+        import json, sys
+        import nb_dist
+        from nb_dist._shared import _cuda_touches as touches
+        hooks = [type(f).__name__ for f in sys.meta_path if type(f).__name__ == "_WhenTorchArrives"]
+        import torch
+        print(json.dumps({"state": touches.state(), "hooks": hooks}))
+    """
+    assert _python(code, env={"NB_DIST_CUDA_RECORDER": "0"}) == {"state": "off", "hooks": []}
+
+
 @pytest.mark.timeout(150)
 def test_no_rank_and_no_fork_server_records_cuda_touches():
     """Only a process that may launch records where CUDA was first touched: a rank stops the

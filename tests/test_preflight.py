@@ -211,6 +211,40 @@ def test_port_busy_in_another_process_names_its_pid(tmp_path):
         holder.stdout.close()
 
 
+@pytest.mark.timeout(60)
+def test_port_busy_in_one_of_this_kernels_ranks_names_it(tmp_path):
+    """A port a live rank of this kernel listens on is named as held by that rank."""
+    with nb_dist.Ranks(num_processes=1) as ranks:
+        ranks.exec(
+            "import socket\nheld = socket.socket(); held.bind(('127.0.0.1', 0)); held.listen()"
+        )
+        (port,) = ranks.exec("held.getsockname()[1]")
+        message = _refused(tmp_path, UnsafeLaunchError, use_port=port)
+        _assert_mentions(
+            message,
+            f"Port {port} (use_port={port}) is already in use",
+            f"by process {ranks.pids[0]} (",
+            "a rank this kernel started",
+        )
+
+
+def test_a_rank_record_ends_with_the_rank_and_ignores_a_reused_pid():
+    """The kernel's record of its ranks holds only ranks still alive, by pid and start time."""
+    from nb_dist._kernel import _ports
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        _ports.remember_ranks([child.pid])
+        assert _ports.is_our_rank(child.pid)
+        assert not _ports.is_our_rank(os.getpid())
+    finally:
+        child.kill()
+        child.wait()
+    assert not _ports.is_our_rank(child.pid)  # gone: a later process with its pid is not ours
+    _ports.remember_ranks([])
+    assert child.pid not in _ports._started_ranks
+
+
 def test_multi_node_needs_explicit_port(tmp_path):
     """num_nodes=2 without use_port asks for the same explicit port on every node."""
     message = _refused(tmp_path, ValueError, num_nodes=2)

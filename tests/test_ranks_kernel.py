@@ -17,7 +17,7 @@ import psutil
 import pytest
 from kernel_helpers import collect as collect_run
 from kernel_helpers import execute, kernel_pid, send, wait_for_files
-from process_helpers import assert_all_gone
+from process_helpers import GONE_WITHIN, assert_all_gone
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -92,8 +92,9 @@ def test_interrupt_stops_a_cell_on_every_rank_and_the_session_stays(kernel, tmp_
     interrupted_at = time.monotonic()
     km.interrupt_kernel()
     collect_run(kc, run)
-    # Stopped by the interrupt: long before the 120 s sleep would have ended.
-    assert run.idle_at is not None and run.idle_at - interrupted_at < 60
+    # Stopped by the interrupt within GONE_WITHIN: 5x the README's promise (ranks stopped
+    # within a second of ■), not the 120 s the sleep would take.
+    assert run.idle_at is not None and run.idle_at - interrupted_at < GONE_WITHIN
     assert run.error["ename"] == "KeyboardInterrupt"
     assert "interrupted on rank 0, 1; the session is still usable" in run.error["evalue"]
     assert _pids(kc) == pids  # the same ranks, with their state

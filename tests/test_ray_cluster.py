@@ -623,7 +623,9 @@ def test_live_ranks_on_a_cluster_free_a_rank_blocked_in_a_skipped_collective(clu
         began = time.monotonic()
         with pytest.raises(nb_dist.WorkerFailedError) as caught:
             ranks.exec("if dist.get_rank() == 0:\n    dist.all_reduce(t)")
-        assert time.monotonic() - began < 30
+        # The README promises each step within a second (the skipped collective proved, the
+        # blocked rank freed): 5x their sum still tolerates a loaded box and Ray's round trips.
+        assert time.monotonic() - began < 5 * (1.0 + 1.0)
         text = str(caught.value)
         assert "all_reduce" in text and "Every rank kept its variables" in text, text
         assert ranks.restarts == 0 and ranks.pids == old

@@ -245,7 +245,11 @@ def test_many_reports_all_arrive_in_order_and_quickly():
         assert steps == list(range(MANY))
         assert values == list(range(MANY))
         assert result.reports.series("twice", rank)[1] == [2 * i for i in range(MANY)]
-        assert result.durations[rank] < 30, result.durations
+        # The 40000 reports take 0.25 s on an idle 2-core box and 2 s on one loaded so much
+        # that the kernel reading their batches is starved (the sends then wait for the pipe).
+        # 5 s is a few times that; waiting for the kernel's 0.1 s poll would take 4000 s. What
+        # one report costs a training step is measured by bench/report_overhead.py.
+        assert result.durations[rank] < 5.0, result.durations
 
 
 @pytest.mark.timeout(60)

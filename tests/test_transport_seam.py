@@ -27,7 +27,8 @@ from nb_dist._kernel._rank_handle import Rank
 from nb_dist._kernel._supervisor import RankHost
 from nb_dist._kernel._transport import Transport, transport_for
 
-pytestmark = pytest.mark.timeout(120)
+#: Quick launches through a journalled transport: all in the fast lane.
+pytestmark = [pytest.mark.timeout(120), pytest.mark.fast]
 
 SEAM_ENV = "NB_DIST_TEST_TRANSPORT_ATTEMPT"
 
@@ -104,7 +105,6 @@ def test_the_journalled_transport_is_a_transport():
     assert transport_for(transport) is transport
 
 
-@pytest.mark.fast
 def test_a_third_transport_runs_every_attempt_through_open_start_and_close(tmp_path):
     transport = JournalledTransport()
     result = nb_dist.notebook_launcher(

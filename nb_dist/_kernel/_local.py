@@ -78,7 +78,7 @@ class LocalHost:
 
         lifeline = start_all(plan.start_method, ranks, spec_for)
         # Who may hold a port later: a busy port held by one of these is named as ours.
-        _ports.started_rank_pids.update(rank.outcome.pid for rank in ranks if rank.outcome.pid)
+        _ports.remember_ranks([rank.outcome.pid for rank in ranks if rank.outcome.pid])
         return lifeline
 
     def close(self) -> None:

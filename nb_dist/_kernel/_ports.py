@@ -17,8 +17,36 @@ from ._errors import UnsafeLaunchError
 
 # Ports of launches from this kernel that are running now (a second launch from a thread).
 _ports_in_use_here: set[int] = set()
-# Pids of every rank this kernel started, to recognise leftovers of an earlier launch.
-started_rank_pids: set[int] = set()
+# The ranks this kernel started that may still run, by pid, with their start times: a pid
+# the OS reused for another program is not taken for a leftover rank.
+_started_ranks: dict[int, float] = {}
+
+
+def _start_time(pid: int) -> float | None:
+    import psutil
+
+    try:
+        return float(psutil.Process(pid).create_time())
+    except psutil.Error:
+        return None
+
+
+def remember_ranks(pids: list[int]) -> None:
+    """Record ranks just started, so a port one of them holds later is named as theirs;
+    ranks gone since the last launch are forgotten (the record never grows past the ranks
+    alive)."""
+    for pid in list(_started_ranks):
+        if _start_time(pid) != _started_ranks[pid]:
+            del _started_ranks[pid]
+    for pid in pids:
+        started = _start_time(pid)
+        if started is not None:
+            _started_ranks[pid] = started
+
+
+def is_our_rank(pid: int) -> bool:
+    """Whether ``pid`` is a rank this kernel started (the same process, not a reused pid)."""
+    return pid in _started_ranks and _start_time(pid) == _started_ranks[pid]
 
 
 def open_store(master_addr: str, port: int | None, world_size: int, only_there: bool) -> Any:
@@ -80,10 +108,10 @@ def _describe_owner(port: int) -> str:
                 name = psutil.Process(conn.pid).name()
             except psutil.Error:
                 name = "unknown"
-            if conn.pid in started_rank_pids:
+            if is_our_rank(conn.pid):
                 return (
-                    f" by process {conn.pid} ({name}), a rank left over from an earlier "
-                    "launch from this kernel"
+                    f" by process {conn.pid} ({name}), a rank this kernel started (of live "
+                    "nb_dist.Ranks, or left over from an earlier launch)"
                 )
             return f" by process {conn.pid} ({name})"
     return ""

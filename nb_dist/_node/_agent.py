@@ -394,6 +394,13 @@ def _start_forkserver(niceness: int | None) -> None:
         forkserver.ensure_running()
 
 
+# Who holds the stand-in ``__main__`` (the forkserver's warm-up thread and a start may
+# overlap): the real module is put back when the last one leaves, never a stand-in.
+_main_lock = threading.Lock()
+_main_holders = 0
+_real_main: types.ModuleType | None = None
+
+
 @contextlib.contextmanager
 def _plain_main() -> Iterator[None]:
     """While a rank starts, ``__main__`` is an empty module, not Ray's worker script.
@@ -401,12 +408,19 @@ def _plain_main() -> Iterator[None]:
     multiprocessing tells a forkserver (or spawn) child to import the parent's ``__main__``
     as ``__mp_main__``; in an agent that is ``ray/_private/workers/default_worker.py``, whose
     import costs each rank seconds and whose code has no business in a rank."""
-    real = sys.modules["__main__"]
-    sys.modules["__main__"] = types.ModuleType("__main__")
+    global _main_holders, _real_main
+    with _main_lock:
+        if _main_holders == 0:
+            _real_main = sys.modules["__main__"]
+            sys.modules["__main__"] = types.ModuleType("__main__")
+        _main_holders += 1
     try:
         yield
     finally:
-        sys.modules["__main__"] = real
+        with _main_lock:
+            _main_holders -= 1
+            if _main_holders == 0 and _real_main is not None:
+                sys.modules["__main__"], _real_main = _real_main, None
 
 
 def _read_counter(path: str) -> bytes:
