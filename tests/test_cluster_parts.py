@@ -48,9 +48,9 @@ def test_times_from_another_machine_are_put_on_the_kernels_clock():
         _protocol.Failed("ValueError", "bad", "", at=5.0),
     ]
     assert [m.at for m in (_protocol.on_kernel_clock(m, shift) for m in sent)] == [1005.0] * 4
-    reports = _protocol.Reports((_protocol.report_value("loss", 0, 5.0, 0.5),))
+    reports = _protocol.ReportBatch((_protocol.report_value("loss", 0, 5.0, 0.5),))
     moved = _protocol.on_kernel_clock(reports, shift)
-    assert isinstance(moved, _protocol.Reports) and moved.values[0].at == 1005.0
+    assert isinstance(moved, _protocol.ReportBatch) and moved.values[0].at == 1005.0
     assert moved.values[0].value() == 0.5
     idle = _protocol.Idle(1, 2)
     assert _protocol.on_kernel_clock(idle, shift) is idle

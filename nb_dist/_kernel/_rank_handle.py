@@ -27,7 +27,7 @@ FINAL: tuple[RankStatus, ...] = ("ok", "failed", "collateral", "stopped")
 
 
 @dataclass
-class Rendezvous:
+class RendezvousState:
     """A rank's rendezvous as it reported it (see _rendezvous.py)."""
 
     entered_at: float | None = None
@@ -55,7 +55,7 @@ class Rank:
         self.value: Any = None
         self.result: _protocol.Result | None = None  # set once the value has arrived
         self.failure: _protocol.Failed | None = None
-        self.rendezvous = Rendezvous()
+        self.rendezvous = RendezvousState()
         #: Added to the times the rank stamps (its machine's monotonic clock): 0 on this
         #: machine, the node's measured offset for a rank on a cluster node.
         self.clock_offset = 0.0
@@ -312,7 +312,7 @@ class Rank:
             case _protocol.Hello(thread_ident=ident):
                 self.thread_ident = ident
                 return "running"
-            case _protocol.Reports(values=values):
+            case _protocol.ReportBatch(values=values):
                 entries = self.add_reports(values, reports, router)
                 if observer is not None and entries:
                     observer.reports(local, entries)
@@ -320,7 +320,7 @@ class Rank:
                 if observer is not None:
                     observer.progress(local, key, count, total)
             case _protocol.Rendezvous(stage="enter", at=at, world_size=size, endpoint=where):
-                self.rendezvous = Rendezvous(at, False, size, where)
+                self.rendezvous = RendezvousState(at, False, size, where)
             case _protocol.Rendezvous():
                 self.rendezvous.done = True
             case _protocol.Display(data=data, metadata=meta, display_id=ident, update=update):

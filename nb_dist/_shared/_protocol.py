@@ -8,23 +8,23 @@ header, then the bytes) holding one of the classes below, pickled with plain ``p
 (``Connection.send`` would use multiprocessing's pickler, for which torch registers tensor
 reductions through shared memory owned by the sender, gone when the rank exits).
 
-===================  ==========================================  =============================
-message              sent by the rank                          what the kernel does
-===================  ==========================================  =============================
-:class:`Hello`       first thing, before user code               rank is running; its thread
-:class:`Reports`     ``report()`` batches (every 0.1 s, at end)  adds to ``result.reports``
-:class:`Progress`    ``progress()`` loops                        updates the live monitor
-:class:`Rendezvous`  entering / joining ``init_process_group``   the rendezvous watchdog
-:class:`Display`     ``display()`` in the rank                   publishes it in the cell
-:class:`ClearOutput` ``clear_output()`` in the rank              clears the cell's output
-:class:`Returned`    the function returned (before teardown)     tells teardown from a hang
-:class:`Imports`     modules it imported that the kernel lacks   warm relaunches (_warm.py)
-:class:`Failed`      the function raised (or its value is bad)   the rank's failure record
-:class:`Result`      the value's sizes, **then that many raw     reads the bytes into
-                     bytes** on the same pipe, unframed          buffers, unpickles the value
-:class:`Idle`        a live rank finished a task (or its start)  the task ended on that rank
-:class:`DebugPrompt` a rank's debugger waits for a command       asks the notebook for a line
-===================  ==========================================  =============================
+======================  ==========================================  =============================
+message                 sent by the rank                          what the kernel does
+======================  ==========================================  =============================
+:class:`Hello`          first thing, before user code               rank is running; its thread
+:class:`ReportBatch`    ``report()`` batches (every 0.1 s, at end)  adds to ``result.reports``
+:class:`Progress`       ``progress()`` loops                        updates the live monitor
+:class:`Rendezvous`     entering / joining ``init_process_group``   the rendezvous watchdog
+:class:`Display`        ``display()`` in the rank                   publishes it in the cell
+:class:`ClearOutput`    ``clear_output()`` in the rank              clears the cell's output
+:class:`Returned`       the function returned (before teardown)     tells teardown from a hang
+:class:`Imports`        modules it imported that the kernel lacks   warm relaunches (_warm.py)
+:class:`Failed`         the function raised (or its value is bad)   the rank's failure record
+:class:`Result`         the value's sizes, **then that many raw     reads the bytes into
+                        bytes** on the same pipe, unframed          buffers, unpickles the value
+:class:`Idle`           a live rank finished a task (or its start)  the task ended on that rank
+:class:`DebugPrompt`    a rank's debugger waits for a command       asks the notebook for a line
+======================  ==========================================  =============================
 
 Live ranks (:class:`nb_dist.Ranks`) have a fifth pipe, ``commands``, the other way: the kernel
 sends one :data:`Command` per task (:class:`Call`, :class:`Execute`, :class:`Pull`,
@@ -84,7 +84,7 @@ class ReportValue:
 
 
 @dataclass(frozen=True)
-class Reports:
+class ReportBatch:
     values: tuple[ReportValue, ...]
 
 
@@ -227,7 +227,7 @@ Command = Call | Execute | Pull | Push | DebugInput
 
 Message = (
     Hello
-    | Reports
+    | ReportBatch
     | Progress
     | Rendezvous
     | Display
@@ -295,8 +295,8 @@ def on_kernel_clock(message: Message, offset: float) -> Message:
     if not offset:
         return message
     match message:
-        case Reports(values=values):
-            return Reports(tuple(dataclasses.replace(v, at=v.at + offset) for v in values))
+        case ReportBatch(values=values):
+            return ReportBatch(tuple(dataclasses.replace(v, at=v.at + offset) for v in values))
         case Hello() | Rendezvous() | Returned() | Failed():
             return dataclasses.replace(message, at=message.at + offset)
     return message

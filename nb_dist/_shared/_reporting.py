@@ -171,7 +171,7 @@ class _Sink:
                     file=sys.stderr,
                 )
         if values:
-            _protocol.send(self._control, _protocol.Reports(tuple(values)))
+            _protocol.send(self._control, _protocol.ReportBatch(tuple(values)))
 
     def _flush_loop(self) -> None:
         while not self._closed.wait(_FLUSH_EVERY):
