@@ -11,8 +11,7 @@ import types
 import pytest
 
 from nb_dist._cluster import _remote_run
-from nb_dist._kernel._arguments import Asked, check_arguments
-from nb_dist._kernel._options import LaunchOptions
+from nb_dist._kernel._arguments import Asked, LaunchOptions, check_arguments
 from nb_dist._kernel._plan import Where, plan_on, start_method_on
 from nb_dist._shared import _shipping
 
