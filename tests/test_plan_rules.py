@@ -12,7 +12,15 @@ import pytest
 
 from nb_dist._cluster import _remote_run
 from nb_dist._kernel._arguments import Asked, LaunchOptions, check_arguments
-from nb_dist._kernel._plan import Where, plan_on, start_method_on
+from nb_dist._kernel._plan import (
+    RENDEZVOUS_BY_HAND,
+    RENDEZVOUS_HERE,
+    RENDEZVOUS_ON_AGENTS,
+    Where,
+    auto_rendezvous,
+    plan_on,
+    start_method_on,
+)
 from nb_dist._shared import _shipping
 
 #: Unit tests and quick launches: all in the fast lane (python -m pytest -m fast).
@@ -30,7 +38,7 @@ def _checked(**options: object) -> Asked:
 def _where(**changes: object) -> Where:
     here = Where(
         ranks=(0, 1), world_size=2, num_nodes=1, use_gpu=False, cores_per_rank=3,
-        instead_of_fork=None, auto_rendezvous=7.0,
+        instead_of_fork=None,
     )  # fmt: skip
     return dataclasses.replace(here, **changes)  # type: ignore[arg-type]
 
@@ -66,14 +74,23 @@ def test_threads_are_the_callers_then_omp_num_threads_then_the_cores_each_rank_h
 @pytest.mark.parametrize(
     ("options", "limit"),
     [
-        ({}, 7.0),  # "auto": the transport's own
+        ({}, RENDEZVOUS_HERE),  # "auto": the plan's rule, on what the transport says
         ({"rendezvous_timeout": 5}, 5.0),
         ({"rendezvous_timeout": None}, None),  # no limit, as asked
         ({"rdzv_conf": {"timeout": 9}}, 9.0),  # Accelerate's way of saying it
     ],
 )
-def test_the_rendezvous_timeout_is_the_transports_only_where_auto_was_left(options, limit):
+def test_the_rendezvous_timeout_is_the_rules_only_where_auto_was_left(options, limit):
     assert plan_on(_checked(num_processes=2, **options), _where()).rendezvous_timeout == limit
+
+
+def test_auto_rendezvous_is_one_rule_on_who_starts_the_ranks():
+    """Every rank started here; some started by hand on other machines (this launch starts
+    two of four); all started by the nodes' agents."""
+    assert auto_rendezvous(_where()) == RENDEZVOUS_HERE == 20.0
+    assert auto_rendezvous(_where(ranks=(2, 3), world_size=4)) == RENDEZVOUS_BY_HAND == 300.0
+    on_agents = _where(started_by_agents=True, ranks=(0, 1, 2, 3), world_size=4)
+    assert auto_rendezvous(on_agents) == RENDEZVOUS_ON_AGENTS == 120.0
 
 
 def test_what_no_transport_changes_reaches_the_plan_as_asked():
@@ -120,7 +137,7 @@ def test_a_cluster_plan_spans_its_nodes_with_forkserver_and_its_own_rendezvous_t
     assert reserved == [(4, "forkserver")]
     assert (plan.ranks, plan.world_size, plan.num_nodes) == ((0, 1, 2, 3), 4, 2)
     assert (plan.start_method, plan.threads) == ("forkserver", 4)
-    assert plan.rendezvous_timeout == _remote_run.CLUSTER_RENDEZVOUS
+    assert plan.rendezvous_timeout == RENDEZVOUS_ON_AGENTS
     assert plan.payload is not None and not plan.warm_imports
     assert any(n.startswith("shipped _square() with") for n in plan.notices), plan.notices
 

@@ -31,9 +31,6 @@ from .._starter._run_parts import hold_out_of_forks, scratch_folder, widen
 from ._forward import Forwarder, OnLost
 from ._gang import Gang
 
-#: ``rendezvous_timeout="auto"`` on a cluster: nodes start their first fork server (and
-#: import torch) at different speeds.
-CLUSTER_RENDEZVOUS = 120.0
 #: What ``start_method="fork"`` becomes on a cluster: a node's agent is a Ray worker, whose
 #: threads a fork would copy mid-flight; its fork server forks clean ranks.
 FORK_INSTEAD = "forkserver"
@@ -59,7 +56,7 @@ def decide(gang_for: Callable[[int, str], Gang], asked: Asked, use_gpu: bool) ->
         use_gpu=use_gpu,
         cores_per_rank=gang.threads_per_rank,
         instead_of_fork=FORK_INSTEAD,
-        auto_rendezvous=CLUSTER_RENDEZVOUS,
+        started_by_agents=True,
         payload=payload,
         notices=(f"shipped {shipped} to {nprocs} ranks on {gang.describe()}.",),
     )

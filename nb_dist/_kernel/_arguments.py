@@ -11,7 +11,8 @@ any transport is consulted (the first problem found is the one reported):
 3. combinations of arguments (multi-node needs a port and no restarts).
 
 What is left for where the ranks run (how many, threads, start method, the ``"auto"``
-rendezvous timeout) stays as asked; the transport decides it (``_transport.prepare``).
+rendezvous timeout) stays as asked: the transport decides where they go and
+``_plan.plan_on`` the rest (``_transport.prepare``).
 Runs in the kernel.
 """
 
@@ -101,7 +102,7 @@ class Asked(Settings):
     threads_per_process: int | None
     start_method: str
     num_nodes: int
-    #: The rendezvous timeout asked for; ``rendezvous_auto``: the transport's own
+    #: The rendezvous timeout asked for; ``rendezvous_auto``: ``_plan.auto_rendezvous``'s
     #: (``"auto"`` and no ``rdzv_conf`` timeout).
     rendezvous_timeout: float | None
     rendezvous_auto: bool
@@ -144,7 +145,7 @@ def check_arguments(
         check_positive_int("threads_per_process", o.threads_per_process, _THREADS_HINT)
     hang_after = check_seconds("hang_notice_after", o.hang_notice_after)
     _check_bool("monitor", o.monitor)
-    rdzv_auto = o.rendezvous_timeout == "auto" and conf_timeout is None  # the transport's
+    rdzv_auto = o.rendezvous_timeout == "auto" and conf_timeout is None  # the plan's rule
     rdzv_limit = None if rdzv_auto else rendezvous_limit(o.rendezvous_timeout, conf_timeout)
     _check_bool("warm_imports", o.warm_imports)
     rich = _rich_output(o.rich_output)
@@ -226,7 +227,7 @@ def rendezvous_limit(
     rendezvous_timeout: float | str | None, conf_timeout: float | None
 ) -> float | None:
     """``rendezvous_timeout`` checked: ``"auto"`` is ``rdzv_conf``'s timeout here (without
-    one, the transport's own, :attr:`Where.auto_rendezvous`)."""
+    one, the plan's, ``_plan.auto_rendezvous``, from what the transport says)."""
     if rendezvous_timeout == "auto":
         rendezvous_timeout = conf_timeout
     return check_seconds("rendezvous_timeout", rendezvous_timeout)
