@@ -138,7 +138,7 @@ def _square(x: int) -> int:
 def test_the_off_notice_goes_to_the_first_fork_launch_that_is_not_refused(slow_module):
     """Warm relaunches switched off are said once, by a fork launch that asked for them:
     not used up by a launch refused before it starts, nor by a spawn launch."""
-    from nb_dist._kernel._options import LaunchOptions
+    from nb_dist._kernel._arguments import LaunchOptions
     from nb_dist._kernel._transport import prepare
 
     name, folder = slow_module

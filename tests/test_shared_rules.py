@@ -9,7 +9,7 @@ import inspect
 import pytest
 
 from nb_dist import Ranks, notebook_launcher
-from nb_dist._kernel._options import LaunchOptions
+from nb_dist._kernel._arguments import LaunchOptions
 from nb_dist._shared._env import switched_off
 from nb_dist._shared._net import is_loopback
 

@@ -292,6 +292,11 @@ class Gang:
         self._answered_at = time.monotonic()
         return True
 
+    @property
+    def closed(self) -> bool:
+        """Given back (:meth:`close`): no agents, no placement group."""
+        return self.group is None
+
     def close(self) -> None:
         """Kill the agents (their ranks die with them) and remove the placement group."""
         for actor in self.agents:

@@ -8,6 +8,12 @@ the agents and their fork servers), and runs each attempt over them (``_remote_r
 ■ stops the ranks and keeps the agents warm; :meth:`close` (or the end of a ``with`` block,
 or a lost node) gives the agents and the placement group back; when the kernel dies, Ray
 removes both with its driver.
+
+Where a launch's ranks go is decided here, as ``_kernel/_local.py`` decides it for this
+machine: :meth:`RayCluster.decide` refuses what a cluster cannot do, ships the function by
+value (naming what did not pickle) before any node is reserved, reserves the gang
+(``_gang.py``, ``_placement.py``), and :func:`where_on` says, from the gang, where the ranks
+go; ``_plan.plan_on`` then finishes the plan by the rules every transport shares.
 """
 
 from __future__ import annotations
@@ -15,12 +21,14 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
+import types
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from .._kernel._arguments import Asked, check_positive_int
-from .._kernel._plan import LaunchPlan, Where
+from .._kernel._plan import LaunchPlan, Where, start_method_on
+from .._shared import _protocol, _shipping
 from . import _connect, _placement, _remote_run
 from ._gang import Gang, gang_key
 from ._remote_run import ClusterHost
@@ -30,6 +38,9 @@ _log = logging.getLogger(__name__)
 #: plan (``decide``) and its first attempt (``open``) reserve the same gang, checked once.
 ANSWERED_FRESH = 2.0
 _open: weakref.WeakSet[RayCluster] = weakref.WeakSet()
+#: What ``start_method="fork"`` becomes on a cluster: a node's agent is a Ray worker, whose
+#: threads a fork would copy mid-flight; its fork server forks clean ranks.
+FORK_INSTEAD = "forkserver"
 
 
 class RayCluster:
@@ -124,8 +135,9 @@ class RayCluster:
 
     # ------------------------------------------------------------------ the transport
     def decide(self, asked: Asked) -> Where:
-        """Where the launch's ranks go on this cluster (``_kernel/_transport.py``); reserves
-        the nodes, which the launch's first :meth:`open` takes."""
+        """Where the launch's ranks go on this cluster (``_kernel/_transport.py``): what the
+        cluster cannot do refused and the function shipped, then the nodes reserved (the
+        gang, which the launch's first :meth:`open` takes)."""
         gpus = self.resources_per_rank.get("GPU", 0.0) > 0
         if asked.device == "cuda" and not gpus:
             raise ValueError(
@@ -133,21 +145,24 @@ class RayCluster:
                 "RayCluster(resources_per_rank={'GPU': 1, ...})."
             )
         use_gpu = gpus and asked.device != "cpu"
-        return _remote_run.decide(self._gang_for, asked, use_gpu)
+        nprocs = ranks_asked(asked)
+        payload, shipped = ship(asked.function, asked.args)  # before nodes are reserved for it
+        gang = self._gang_for(nprocs, start_method_on(asked.start_method, FORK_INSTEAD))
+        return where_on(gang, nprocs, use_gpu, payload, shipped)
 
     def open(self, plan: LaunchPlan, attempt: int) -> tuple[list[dict[str, str]], ClusterHost]:
         """One attempt's ranks (or a live session's, ``nb_dist.Ranks(cluster=...)``) on the
         agents: their environments and their host; a gang that lost a node is given back
         when the host closes."""
         gang = self._gang_for(plan.nprocs, plan.start_method)  # decide's, unless lost since
-        return _remote_run.open_ranks(gang, plan, attempt, self._release)
+        return _remote_run.open_ranks(gang, plan, attempt)
 
     def interrupted(self) -> None:
         """■ stopped the ranks (the run ended on every agent as the supervisor closed); the
         agents and their fork servers stay warm for the next launch, unless one no longer
         answers (then all are given back now, not at the next launch)."""
         gang = self._gang
-        if gang is not None and gang.session is None and not gang.healthy():
+        if gang is not None and gang.session is None and (gang.closed or not gang.healthy()):
             self._release()
 
     # ------------------------------------------------------------------ the agents
@@ -181,8 +196,10 @@ class RayCluster:
                 "(ranks.close()) first, or give this launch a RayCluster of its own."
             )
         key = gang_key(nprocs, self.processes_per_node, self.resources_per_rank, self.placement)
-        if gang is not None and (gang.key != key or not gang.healthy(fresh_for=ANSWERED_FRESH)):
-            self._release()
+        if gang is not None and (
+            gang.closed or gang.key != key or not gang.healthy(fresh_for=ANSWERED_FRESH)
+        ):
+            self._release()  # a gang whose run lost a node was closed by that run's host
             gang = None
         if gang is None:
             gang = self._gang = Gang(
@@ -207,6 +224,101 @@ class RayCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# ---------------------------------------------------------------------- where the ranks go
+def ranks_asked(asked: Asked) -> int:
+    """How many ranks a launch on a cluster starts; what a cluster cannot do refused (before
+    any node is reserved): placing ranks by hand, or one rank per local GPU."""
+    given = ", ".join(asked.placed_by_hand)
+    if given:
+        raise ValueError(
+            f"{given} place a launch by hand on several machines; with cluster= the "
+            "cluster places the ranks, hosts the rendezvous on rank 0's node and picks its "
+            f"port. Remove {given} (processes_per_node and placement are RayCluster's options)."
+        )
+    if asked.num_processes is None:
+        raise ValueError(
+            "num_processes=None means one process per local GPU; on a cluster say how many "
+            "ranks to start in all, e.g. num_processes=8 (processes_per_node of them per node)."
+        )
+    return asked.num_processes
+
+
+def where_on(gang: Gang, nprocs: int, use_gpu: bool, payload: bytes, shipped: str) -> Where:
+    """Where ``nprocs`` ranks go on ``gang``'s nodes (read from the gang, nothing asked of
+    the cluster): every rank started by the nodes' agents, ``"fork"`` becoming forkserver,
+    the function ``shipped`` by value. The rules every transport shares (start method,
+    threads, the ``"auto"`` rendezvous timeout) are then ``_plan.plan_on``'s."""
+    return Where(
+        ranks=tuple(range(nprocs)),
+        world_size=nprocs,
+        num_nodes=gang.layout.num_nodes,
+        use_gpu=use_gpu,
+        cores_per_rank=gang.threads_per_rank,
+        instead_of_fork=FORK_INSTEAD,
+        started_by_agents=True,
+        payload=payload,
+        notices=(f"shipped {shipped} to {nprocs} ranks on {gang.describe()}.",),
+    )
+
+
+def ship(function: Callable[..., Any], args: tuple[Any, ...]) -> tuple[bytes, str]:
+    """The function and args by value (cloudpickle) and what was shipped, in words; a
+    ``TypeError`` naming each argument or global that does not pickle."""
+    globals_used = _globals_of(function)
+    try:
+        payload = _shipping.dumps((function, args))
+    except Exception as exc:
+        bad = [f"argument {i} ({_what(a, e)})" for i, a in enumerate(args) if (e := _fails(a))]
+        bad += [
+            f"global {n!r} ({_what(v, e)})" for n, v in globals_used.items() if (e := _fails(v))
+        ]
+        found = "; ".join(bad) or f"{type(exc).__name__}: {exc}"
+        raise TypeError(
+            f"A cluster launch ships {_name(function)} and its arguments to other machines "
+            f"with cloudpickle, and this did not pickle: {found}. Create such objects inside "
+            "the function (open files, locks, clients, generators), or pass what builds them."
+        ) from None
+    names = ", ".join(sorted(globals_used)) or "no globals"
+    size = len(payload)
+    shown = f"{size / 1024:.1f} kB" if size >= 1024 else f"{size} B"
+    return payload, f"{_name(function)} with {names} and {len(args)} argument(s) ({shown})"
+
+
+def _name(function: Callable[..., Any]) -> str:
+    return f"{getattr(function, '__qualname__', type(function).__name__)}()"
+
+
+def _globals_of(function: Callable[..., Any]) -> dict[str, Any]:
+    """The globals ``function`` (and the functions nested in it) refers to by name."""
+    code = getattr(function, "__code__", None)
+    namespace = getattr(function, "__globals__", {})
+    if code is None:
+        return {}
+    names: set[str] = set()
+    stack = [code]
+    while stack:
+        current = stack.pop()
+        names.update(current.co_names)
+        stack.extend(c for c in current.co_consts if isinstance(c, types.CodeType))
+    return {
+        n: namespace[n]
+        for n in sorted(names)
+        if n in namespace and not isinstance(namespace[n], types.ModuleType)
+    }
+
+
+def _fails(value: Any) -> BaseException | None:
+    try:
+        _shipping.dumps(value)
+    except Exception as exc:
+        return exc
+    return None
+
+
+def _what(value: Any, exc: BaseException) -> str:
+    return f"a {_protocol.type_name(value)}: {type(exc).__name__}: {exc}"
 
 
 @atexit.register

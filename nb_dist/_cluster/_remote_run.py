@@ -1,144 +1,37 @@
-"""A launch on a cluster: the plan decided for the cluster's nodes, and one attempt's run.
+"""A launch's attempt on a cluster (or a live session there): its ranks on the gang's agents.
 
-Runs in the kernel. :func:`decide` says where the ranks go instead of this machine's
-devices: the ranks start with forkserver (or spawn) on their nodes, the function and
-its arguments are shipped by value (and the pre-flight names what was shipped, or which
-argument or global did not pickle), and the placement group is reserved before anything
-starts. :func:`open_ranks` opens the rendezvous store on rank 0's node and gives each rank the
-environment torchrun would give it there (``LOCAL_RANK``, ``NODE_RANK``, ``LOCAL_WORLD_SIZE``
-by Ray node id; ``MASTER_ADDR`` the node's cluster address); the kernel's own ``Supervisor``
-then runs over the forwarded pipes, its ranks hosted by the agents (:class:`ClusterHost`),
-for a launch's attempt and for live ranks alike.
+Runs in the kernel. Where the ranks go was decided by ``RayCluster.decide``
+(``_ray_cluster.py``), which reserved the gang. :func:`open_ranks` opens the rendezvous
+store on rank 0's node and gives each rank the environment torchrun would give it there
+(``LOCAL_RANK``, ``NODE_RANK``, ``LOCAL_WORLD_SIZE`` by Ray node id; ``MASTER_ADDR`` the
+node's cluster address); the kernel's own ``Supervisor`` then runs over the forwarded pipes,
+its ranks hosted by the agents (:class:`ClusterHost`), for a launch's attempt and for live
+ranks alike. Nothing here calls back into the cluster object: a host whose run lost a node
+gives the gang back itself, and the cluster makes a new one at its next launch.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import types
 import weakref
-from collections.abc import Callable
 from multiprocessing.connection import Connection
-from typing import Any
 
-from .._kernel._arguments import Asked
-from .._kernel._plan import LaunchPlan, Where, start_method_on
+from .._kernel._plan import LaunchPlan
 from .._kernel._rank_handle import Rank
 from .._kernel._run_setup import rank_env, rank_spec
-from .._shared import _protocol, _shipping
+from .._shared import _protocol
 from .._shared._protocol import COLLECTIVES_ENV
 from .._starter._run_parts import hold_out_of_forks, scratch_folder, widen
 from ._forward import Forwarder, OnLost
 from ._gang import Gang
 
-#: ``rendezvous_timeout="auto"`` on a cluster: nodes start their first fork server (and
-#: import torch) at different speeds.
-CLUSTER_RENDEZVOUS = 120.0
-#: What ``start_method="fork"`` becomes on a cluster: a node's agent is a Ray worker, whose
-#: threads a fork would copy mid-flight; its fork server forks clean ranks.
-FORK_INSTEAD = "forkserver"
-
-
-def decide(gang_for: Callable[[int, str], Gang], asked: Asked, use_gpu: bool) -> Where:
-    """Where a launch's ranks go on the cluster; ``gang_for(nprocs, start_method)`` reserves
-    its nodes. The rules every transport shares (start method, threads, the ``"auto"``
-    rendezvous timeout) are then ``_plan.plan_on``'s."""
-    _refuse_placed_by_hand(asked)
-    if asked.num_processes is None:
-        raise ValueError(
-            "num_processes=None means one process per local GPU; on a cluster say how many "
-            "ranks to start in all, e.g. num_processes=8 (processes_per_node of them per node)."
-        )
-    nprocs = asked.num_processes
-    payload, shipped = ship(asked.function, asked.args)  # before nodes are reserved for it
-    gang = gang_for(nprocs, start_method_on(asked.start_method, FORK_INSTEAD))
-    return Where(
-        ranks=tuple(range(nprocs)),
-        world_size=nprocs,
-        num_nodes=gang.layout.num_nodes,
-        use_gpu=use_gpu,
-        cores_per_rank=gang.threads_per_rank,
-        instead_of_fork=FORK_INSTEAD,
-        auto_rendezvous=CLUSTER_RENDEZVOUS,
-        payload=payload,
-        notices=(f"shipped {shipped} to {nprocs} ranks on {gang.describe()}.",),
-    )
-
-
-def _refuse_placed_by_hand(asked: Asked) -> None:
-    given = ", ".join(asked.placed_by_hand)
-    if given:
-        raise ValueError(
-            f"{given} place a launch by hand on several machines; with cluster= the "
-            "cluster places the ranks, hosts the rendezvous on rank 0's node and picks its "
-            f"port. Remove {given} (processes_per_node and placement are RayCluster's options)."
-        )
-
-
-def ship(function: Callable[..., Any], args: tuple[Any, ...]) -> tuple[bytes, str]:
-    """The function and args by value (cloudpickle) and what was shipped, in words; a
-    ``TypeError`` naming each argument or global that does not pickle."""
-    globals_used = _globals_of(function)
-    try:
-        payload = _shipping.dumps((function, args))
-    except Exception as exc:
-        bad = [f"argument {i} ({_what(a, e)})" for i, a in enumerate(args) if (e := _fails(a))]
-        bad += [
-            f"global {n!r} ({_what(v, e)})" for n, v in globals_used.items() if (e := _fails(v))
-        ]
-        found = "; ".join(bad) or f"{type(exc).__name__}: {exc}"
-        raise TypeError(
-            f"A cluster launch ships {_name(function)} and its arguments to other machines "
-            f"with cloudpickle, and this did not pickle: {found}. Create such objects inside "
-            "the function (open files, locks, clients, generators), or pass what builds them."
-        ) from None
-    names = ", ".join(sorted(globals_used)) or "no globals"
-    size = len(payload)
-    shown = f"{size / 1024:.1f} kB" if size >= 1024 else f"{size} B"
-    return payload, f"{_name(function)} with {names} and {len(args)} argument(s) ({shown})"
-
-
-def _name(function: Callable[..., Any]) -> str:
-    return f"{getattr(function, '__qualname__', type(function).__name__)}()"
-
-
-def _globals_of(function: Callable[..., Any]) -> dict[str, Any]:
-    """The globals ``function`` (and the functions nested in it) refers to by name."""
-    code = getattr(function, "__code__", None)
-    namespace = getattr(function, "__globals__", {})
-    if code is None:
-        return {}
-    names: set[str] = set()
-    stack = [code]
-    while stack:
-        current = stack.pop()
-        names.update(current.co_names)
-        stack.extend(c for c in current.co_consts if isinstance(c, types.CodeType))
-    return {
-        n: namespace[n]
-        for n in sorted(names)
-        if n in namespace and not isinstance(namespace[n], types.ModuleType)
-    }
-
-
-def _fails(value: Any) -> BaseException | None:
-    try:
-        _shipping.dumps(value)
-    except Exception as exc:
-        return exc
-    return None
-
-
-def _what(value: Any, exc: BaseException) -> str:
-    return f"a {_protocol.type_name(value)}: {type(exc).__name__}: {exc}"
-
 
 def open_ranks(
-    gang: Gang, plan: LaunchPlan, attempt: int, on_lost: Callable[[], None]
+    gang: Gang, plan: LaunchPlan, attempt: int
 ) -> tuple[list[dict[str, str]], ClusterHost]:
     """Attempt ``attempt``'s ranks on the gang (or a live session's): each rank's environment,
-    the store opened on rank 0's node, and the host that starts and ends them. ``on_lost()``
-    runs when the host closes after a run that lost a node (or an agent)."""
+    the store opened on rank 0's node, and the host that starts and ends them."""
     run = gang.new_run()
     folder = scratch_folder("nb_dist_cluster_")
     try:
@@ -148,7 +41,7 @@ def open_ranks(
         gang.end_run(run)  # the store, if it was opened
         shutil.rmtree(folder, ignore_errors=True)
         raise
-    return envs, ClusterHost(gang, run, folder, on_lost, session=plan.session)
+    return envs, ClusterHost(gang, run, folder, session=plan.session)
 
 
 def cluster_env(
@@ -181,18 +74,15 @@ class ClusterHost:
     """The supervisor's :class:`~nb_dist._kernel._supervisor.RankHost` for ranks on the
     gang's nodes: the agents start them, their pipes are forwarded into the kernel's, and
     the run ends on every agent when the supervisor is done (or the held rank's post-mortem
-    is); the scratch folder goes with it, and a gang that lost a node is given back
-    (``on_lost``). A live session's host holds the gang until it closes."""
+    is); the scratch folder goes with it, and a gang that lost a node is given back (closed:
+    the cluster replaces it at its next launch). A live session's host holds the gang until
+    it closes."""
 
-    def __init__(
-        self, gang: Gang, run: int, folder: str, on_lost: Callable[[], None],
-        session: bool = False,
-    ) -> None:  # fmt: skip
+    def __init__(self, gang: Gang, run: int, folder: str, session: bool = False) -> None:
         self._gang, self._run = gang, run
         self._forwarder: Forwarder | None = None
         self._run_ended = False
         self._folder: str | None = folder
-        self._give_back = on_lost  # the gang, after a run that lost a node
         self._session = session
         if session:
             gang.hold(self)  # its agents run no launch until this session closes
@@ -280,7 +170,7 @@ class ClusterHost:
                 self._folder = None
                 self._gang.let_go(self)
                 if self.node_lost:
-                    self._give_back()
+                    self._gang.close()  # given back; the cluster's next launch makes another
 
     def endpoints(self) -> list[tuple[str, int]] | None:
         """Every rank's TCP socket addresses, read by each node's agent (the ranks run

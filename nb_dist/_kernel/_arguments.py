@@ -1,15 +1,18 @@
-"""Every argument of a launch checked, once, in one documented order: :class:`Asked`.
+"""A launch's arguments: as the caller gave them (:class:`LaunchOptions`), and checked, once,
+in one documented order (:class:`Asked`).
 
-:func:`check_arguments` turns the caller's :class:`~_options.LaunchOptions` into what they
-asked, checked, before any transport is consulted (the first problem found is the one
-reported):
+``notebook_launcher`` and ``Ranks`` build a :class:`LaunchOptions` by keyword from their
+signatures (no option travels by position, so two options of the same type cannot be
+swapped by a caller). :func:`check_arguments` turns it into what they asked, checked, before
+any transport is consulted (the first problem found is the one reported):
 
 1. a launch from inside a rank of a launch;
 2. each argument on its own, in the order of the signature (types, ranges, choices);
 3. combinations of arguments (multi-node needs a port and no restarts).
 
 What is left for where the ranks run (how many, threads, start method, the ``"auto"``
-rendezvous timeout) stays as asked; the transport decides it (``_transport.prepare``).
+rendezvous timeout) stays as asked: the transport decides where they go and
+``_plan.plan_on`` the rest (``_transport.prepare``).
 Runs in the kernel.
 """
 
@@ -21,13 +24,49 @@ from typing import Any
 
 from .._shared._precision import normalize_mixed_precision
 from . import _preflight
-from ._options import LaunchOptions
 from ._output import DEFAULT_PREFIX, OUTPUT_MODES, RICH_OUTPUT_MODES
 
 START_METHODS = ("fork", "spawn", "forkserver")
 DEVICES = ("auto", "cpu", "cuda")
 #: ``debug=``: ``None`` (no debugger), or keep the failing rank for a post-mortem.
 DEBUG_MODES = ("postmortem",)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchOptions:
+    """The options of ``notebook_launcher`` after ``function`` and ``args``, unchecked.
+
+    Defaults are the launcher's; ``tests/test_shared_rules.py`` keeps them equal to its
+    signature. ``cluster=`` is not one of them: it says where the ranks run, the launch's
+    ``_transport.Transport``, which decides the plan checked from these options (and reads
+    the plan only).
+    """
+
+    num_processes: int | None = None
+    mixed_precision: str = "no"
+    use_port: int | str | None = None
+    master_addr: str = "127.0.0.1"
+    node_rank: int = 0
+    num_nodes: int = 1
+    rdzv_backend: str = "static"
+    rdzv_endpoint: str = ""
+    rdzv_conf: dict[str, Any] | None = None
+    rdzv_id: str = "none"
+    max_restarts: int = 0
+    monitor_interval: float = 0.1
+    log_line_prefix_template: str | None = None
+    start_method: str = "fork"
+    timeout: float | None = None
+    output: str = "all"
+    init_process_group: bool = False
+    device: str = "auto"
+    threads_per_process: int | None = None
+    hang_notice_after: float | None = 10.0
+    monitor: bool = False
+    rendezvous_timeout: float | str | None = "auto"
+    warm_imports: bool = True
+    rich_output: str | int | Sequence[int] = "rank0"
+    debug: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,7 +102,7 @@ class Asked(Settings):
     threads_per_process: int | None
     start_method: str
     num_nodes: int
-    #: The rendezvous timeout asked for; ``rendezvous_auto``: the transport's own
+    #: The rendezvous timeout asked for; ``rendezvous_auto``: ``_plan.auto_rendezvous``'s
     #: (``"auto"`` and no ``rdzv_conf`` timeout).
     rendezvous_timeout: float | None
     rendezvous_auto: bool
@@ -106,7 +145,7 @@ def check_arguments(
         check_positive_int("threads_per_process", o.threads_per_process, _THREADS_HINT)
     hang_after = check_seconds("hang_notice_after", o.hang_notice_after)
     _check_bool("monitor", o.monitor)
-    rdzv_auto = o.rendezvous_timeout == "auto" and conf_timeout is None  # the transport's
+    rdzv_auto = o.rendezvous_timeout == "auto" and conf_timeout is None  # the plan's rule
     rdzv_limit = None if rdzv_auto else rendezvous_limit(o.rendezvous_timeout, conf_timeout)
     _check_bool("warm_imports", o.warm_imports)
     rich = _rich_output(o.rich_output)
@@ -188,7 +227,7 @@ def rendezvous_limit(
     rendezvous_timeout: float | str | None, conf_timeout: float | None
 ) -> float | None:
     """``rendezvous_timeout`` checked: ``"auto"`` is ``rdzv_conf``'s timeout here (without
-    one, the transport's own, :attr:`Where.auto_rendezvous`)."""
+    one, the plan's, ``_plan.auto_rendezvous``, from what the transport says)."""
     if rendezvous_timeout == "auto":
         rendezvous_timeout = conf_timeout
     return check_seconds("rendezvous_timeout", rendezvous_timeout)

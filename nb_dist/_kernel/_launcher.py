@@ -13,9 +13,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import _leftovers, _prompts, _warm
+from ._arguments import LaunchOptions
 from ._errors import LaunchInterrupted, LaunchTimeoutError, WorkerFailedError
 from ._observer import Observer, open_live_view
-from ._options import LaunchOptions
 from ._output import OutputRouter
 from ._plan import LaunchPlan
 from ._result import LaunchResult

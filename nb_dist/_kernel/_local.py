@@ -91,13 +91,6 @@ class LocalHost:
         return None  # read on this machine by the kernel itself
 
 
-# This machine's ``rendezvous_timeout="auto"``: how long the first rank to reach
-# init_process_group waits for the others before the launch is stopped with a report (torch
-# itself would wait for minutes); by hand on several machines, the others start later.
-RENDEZVOUS_TIMEOUT = 20.0
-_MULTI_NODE_RENDEZVOUS = 300.0
-
-
 def decide_here(asked: Asked) -> Where:
     """Steps 4 and 5 of ``_plan``'s order for ranks on this machine: the kernel's state,
     then its devices (how many ranks, GPUs or not)."""
@@ -113,7 +106,6 @@ def decide_here(asked: Asked) -> Where:
         cores_per_rank=_cores() // nprocs,
         # e.g. Windows: no fork; spawn ships the function with cloudpickle
         instead_of_fork=None if "fork" in multiprocessing.get_all_start_methods() else "spawn",
-        auto_rendezvous=RENDEZVOUS_TIMEOUT if asked.num_nodes == 1 else _MULTI_NODE_RENDEZVOUS,
         notices=(device_notice,) if device_notice else (),
     )
 

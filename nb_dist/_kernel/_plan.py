@@ -73,12 +73,33 @@ class Where:
     #: The start method a ``"fork"`` request becomes where the starter cannot fork (a cluster
     #: node's agent: ``"forkserver"``; a system without fork: ``"spawn"``), else ``None``.
     instead_of_fork: str | None
-    #: ``rendezvous_timeout="auto"`` for this transport.
-    auto_rendezvous: float
+    #: Whether the ranks are started by agents on the cluster's nodes (each node starts its
+    #: first fork server, and imports torch, at its own speed) rather than by this process;
+    #: with :attr:`ranks` and :attr:`world_size`, what :func:`auto_rendezvous` decides from.
+    started_by_agents: bool = False
     #: The function and args by value where the transport shipped them itself (with its own
     #: report of what did not pickle); else :func:`plan_on` ships them for spawn/forkserver.
     payload: bytes | None = None
     notices: tuple[str, ...] = ()
+
+
+# ``rendezvous_timeout="auto"``: how long the first rank to reach init_process_group waits
+# for the others before the launch is stopped with a report (torch itself would wait for
+# minutes). Every rank started here, on this machine:
+RENDEZVOUS_HERE = 20.0
+# Started by the nodes' agents: each node's first fork server imports torch at its own speed.
+RENDEZVOUS_ON_AGENTS = 120.0
+# Some ranks started by hand on other machines (their cells may run later).
+RENDEZVOUS_BY_HAND = 300.0
+
+
+def auto_rendezvous(where: Where) -> float:
+    """``rendezvous_timeout="auto"`` on ``where``, for every transport: the transport says
+    only who starts the ranks (:attr:`Where.started_by_agents`, and whether this launch starts
+    them all, :attr:`Where.ranks` of :attr:`Where.world_size`)."""
+    if len(where.ranks) < where.world_size:
+        return RENDEZVOUS_BY_HAND
+    return RENDEZVOUS_ON_AGENTS if where.started_by_agents else RENDEZVOUS_HERE
 
 
 def start_method_on(asked: str, instead_of_fork: str | None) -> str:
@@ -89,8 +110,9 @@ def start_method_on(asked: str, instead_of_fork: str | None) -> str:
 def plan_on(asked: Asked, where: Where) -> LaunchPlan:
     """The plan: what was ``asked`` on ``where``, by the rules every transport shares, in
     one place: the start method, the threads per rank (:func:`threads_for`; fewer where a
-    fork would hang, step 6), the ``"auto"`` rendezvous timeout, the function shipped by
-    value for spawn and forkserver (step 7), and the warm imports (fork only)."""
+    fork would hang, step 6), the ``"auto"`` rendezvous timeout (:func:`auto_rendezvous`),
+    the function shipped by value for spawn and forkserver (step 7), and the warm imports
+    (fork only)."""
     method = start_method_on(asked.start_method, where.instead_of_fork)
     threads = threads_for(asked.threads_per_process, where.cores_per_rank)
     notices = [*asked.notices, *where.notices]
@@ -116,7 +138,7 @@ def plan_on(asked: Asked, where: Where) -> LaunchPlan:
         start_method=method,
         use_gpu=where.use_gpu,
         threads=threads,
-        rendezvous_timeout=where.auto_rendezvous
+        rendezvous_timeout=auto_rendezvous(where)
         if asked.rendezvous_auto
         else asked.rendezvous_timeout,
         warm_imports=warm and _warm.enabled(True),

@@ -24,9 +24,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
-from ._arguments import Asked, check_arguments
+from ._arguments import Asked, LaunchOptions, check_arguments
 from ._local import LocalTransport
-from ._options import LaunchOptions
 from ._plan import LaunchPlan, Where, plan_on
 
 if TYPE_CHECKING:

@@ -22,9 +22,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._kernel import _leftovers, _prompts, _warm
+from .._kernel._arguments import LaunchOptions
 from .._kernel._errors import LaunchError
 from .._kernel._observer import open_live_view
-from .._kernel._options import LaunchOptions
 from .._kernel._output import OutputRouter
 from .._kernel._plan import LaunchPlan
 from .._kernel._result import LaunchResult
