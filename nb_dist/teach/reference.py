@@ -273,30 +273,40 @@ def moe_dense(x: Any, token: Any, expert: Any, gate: Any, experts: Any) -> Any:
     return sum(weights[:, e : e + 1] * mlp(x) for e, mlp in enumerate(experts))
 
 
-def plan_costs(model: dict[str, int], layout: dict[str, int]) -> dict[str, float]:
+def plan_costs(
+    model: dict[str, int], layout: dict[str, int], fused_qkv: bool = True
+) -> dict[str, float]:
     """Notebook 22, exercise 22-6: a training plan's ``memory`` per rank and ``traffic`` per
     step and rank, in bytes (fp32, Adam, no recomputation), for a dense transformer ``model``
     (``psi``, ``layers``, ``hidden``, ``heads``, ``seq``, ``micro_batch``, ``microbatches``)
     on a ``layout`` (``pp``, ``dp``, ``cp``, ``tp``): model states ``16Ψ`` fully sharded over
     the whole mesh (FSDP over dp and cp, notebook 15), the activations of the stage's layers for
     ``min(pp, m)`` microbatches in flight (1F1B, notebook 17), each block's from
-    :func:`tp_block_activations` on ``s/cp`` tokens; traffic in notebook 15's units: FSDP's
-    two all-gathers and one reduce-scatter of the stage's tp shard, 4 tp all-reduces of one
-    ``(b, s/cp, h)`` activation per layer and microbatch, one activation and one gradient
-    per microbatch across a stage boundary, and ring attention's K/V hops forward and
-    backward (:func:`ring_bytes` on ``h/tp`` features)."""
+    :func:`tp_block_activations` on ``s/cp`` tokens except the attention scores: notebook 18's
+    hand-written ring attention keeps, in training, the ``cp`` score blocks of its queries
+    (:func:`ring_score_bytes`: ``a·b·(s/cp)·s`` values, ``1/cp`` of the score matrix, not one
+    ``(s/cp)²`` block), ``1/tp`` of them per tp rank (a fused, recomputing kernel such as
+    FlashAttention keeps none, which the plan does not count); traffic in notebook 15's units:
+    FSDP's two all-gathers and one reduce-scatter of the stage's tp shard, the tp all-reduces
+    of one ``(b, s/cp, h)`` activation per layer and microbatch (4 with ``q``, ``k`` and ``v``
+    fused into one linear, as Megatron-LM does; 6 with ``fused_qkv=False``, three separate
+    linears each all-reducing its input's gradient, as a DTensor plan of ``q``, ``k``, ``v``
+    does), one activation and one gradient per microbatch across a stage boundary, and ring
+    attention's K/V hops forward and backward (:func:`ring_bytes` on ``h/tp`` features)."""
     pp, dp, cp, tp = layout["pp"], layout["dp"], layout["cp"], layout["tp"]
     layers, h, s = model["layers"], model["hidden"], model["seq"]
-    b, m, psi = model["micro_batch"], model["microbatches"], model["psi"]
+    b, m, psi, a = model["micro_batch"], model["microbatches"], model["psi"], model["heads"]
     states = 16 * psi / (pp * dp * cp * tp)
     in_flight = min(pp, m)
-    activations = layers / pp * in_flight * tp_block_activations(b, s // cp, h, model["heads"], tp)
+    block = tp_block_activations(b, s // cp, h, 0, tp)  # a = 0: every term but the scores
+    block += ring_score_bytes(cp, b, a, s) / tp  # the ring's cp blocks of (s/cp)² scores
+    activations = layers / pp * in_flight * block
     activation = 4 * b * s / cp * h  # one (b, s/cp, h) tensor in fp32
     traffic = 0.0
     if dp * cp > 1:
         traffic += 3 * 4 * psi / (pp * tp)
     if tp > 1:
-        traffic += m * layers / pp * 4 * 2 * activation
+        traffic += m * layers / pp * (4 if fused_qkv else 6) * 2 * activation
     if pp > 1:
         traffic += m * 2 * activation
     if cp > 1:
