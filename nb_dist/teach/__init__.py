@@ -8,6 +8,8 @@ replaced by ``...``. A check on a ``...`` says "not answered yet" and lets Run A
 An explanation that gives an answer away waits, in the student edition, for that exercise's
 check to say "right": :func:`explain`.
 ``torch_versions`` gives torch 2.13's names of a few distributed APIs on older torch.
+``instruments`` holds the notebooks' measuring tools: ``CollectiveLog`` (every collective a rank
+runs, with its bytes) and ``GraphRecorder`` (what each graph ``torch.compile`` captured takes).
 """
 
 from __future__ import annotations
