@@ -3,7 +3,7 @@
 Runs in the kernel. :meth:`LocalTransport.decide` is :func:`decide_here` (the kernel's
 state, this machine's devices: how many ranks, GPUs or not);
 :meth:`LocalTransport.open` opens the kernel's store, scratch folder and environments
-(``_run_setup.RunSetup``) for one attempt or one start of live ranks, and gives them to a
+(``_attempt_setup.AttemptSetup``) for one attempt or one start of live ranks, and gives them to a
 :class:`LocalHost`, which starts the ranks (:func:`start_all`) and frees all of it when the
 run (or the session) is over.
 
@@ -11,7 +11,7 @@ Starting: each rank gets five pipes (four to the kernel, ``commands`` from it; s
 ``_protocol.py``) and two shared ones, the **lifeline** (the kernel keeps its only write end;
 when the kernel dies, every rank reads EOF and kills itself, besides the parent-death signal)
 and the **start gate** (no rank runs user code before all are started;
-``_rank/_entry._wait_for_gate``), both from ``_starter/_run_parts.py``, which a cluster node's
+``_rank/_entry._wait_for_gate``), both from ``_starter/_parts.py``, which a cluster node's
 agent uses too. A forked rank closes every kernel-side end it inherited (other ranks' read
 ends, the lifeline's and the gate's write ends), or EOF would never come.
 """
@@ -26,12 +26,12 @@ from multiprocessing.context import BaseContext
 
 from .._rank._spec import RankSpec
 from .._starter import _processes
-from .._starter._run_parts import Gate, held_fds, hold_out_of_forks
+from .._starter._parts import Gate, held_fds, hold_out_of_forks
 from . import _openmp, _ports, _preflight
 from ._arguments import Asked
+from ._attempt_setup import AttemptSetup, rank_spec
 from ._plan import LaunchPlan, Where
 from ._rank_handle import Rank
-from ._run_setup import RunSetup, rank_spec
 
 #: Builds one rank's spec from its local rank and the kernel-side fds it must close.
 SpecFor = Callable[[int, list[int]], RankSpec]
@@ -63,8 +63,8 @@ class LocalHost:
     """The supervisor's ``RankHost`` for ranks on this machine (fork, spawn or forkserver):
     it owns what the ranks share (``setup``: the store, the folder), closed with it."""
 
-    def __init__(self, setup: RunSetup, restart: bool) -> None:
-        self._setup: RunSetup | None = setup
+    def __init__(self, setup: AttemptSetup, restart: bool) -> None:
+        self._setup: AttemptSetup | None = setup
         self._restart = restart
 
     def start(
@@ -176,7 +176,7 @@ class LocalTransport:
         return decide_here(asked)
 
     def open(self, plan: LaunchPlan, attempt: int) -> tuple[list[dict[str, str]], LocalHost]:
-        setup = RunSetup(plan, attempt, "nb_dist_ranks_" if plan.session else "nb_dist_run_")
+        setup = AttemptSetup(plan, attempt, "nb_dist_ranks_" if plan.session else "nb_dist_run_")
         return setup.envs, LocalHost(setup, restart=attempt > 0)
 
     def interrupted(self) -> None:

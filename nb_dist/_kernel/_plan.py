@@ -13,7 +13,7 @@ steps in order):
 
 The plan then says everything an attempt needs: ranks, devices, backend, threads, timeouts,
 output modes, the function (or its bytes). Each rank's environment (a superset of
-torchrun's) is built from it per attempt (``_run_setup.rank_env``), with the rendezvous port
+torchrun's) is built from it per attempt (``_attempt_setup.rank_env``), with the rendezvous port
 of the store opened for that attempt.
 """
 

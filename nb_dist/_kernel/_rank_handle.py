@@ -16,8 +16,8 @@ from typing import Any
 
 from .._shared import _collectives, _protocol, _values
 from .._shared._reporting import ReportEntry, Reports
+from .._starter._parts import open_rank_pipes
 from .._starter._processes import REAP_WITHIN, RankProcess, reap_by, signal_name
-from .._starter._run_parts import open_rank_pipes
 from ._diagnosis import Frame, RendezvousView, StuckRank, ended_without_value
 from ._errors import RankOutcome, RankStatus
 from ._output import LineSplitter, OutputRouter

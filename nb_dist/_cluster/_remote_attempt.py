@@ -17,12 +17,12 @@ import shutil
 import weakref
 from multiprocessing.connection import Connection
 
+from .._kernel._attempt_setup import rank_env, rank_spec
 from .._kernel._plan import LaunchPlan
 from .._kernel._rank_handle import Rank
-from .._kernel._run_setup import rank_env, rank_spec
 from .._shared import _protocol
 from .._shared._protocol import COLLECTIVES_ENV
-from .._starter._run_parts import hold_out_of_forks, scratch_folder, widen
+from .._starter._parts import hold_out_of_forks, scratch_folder, widen
 from ._forward import Forwarder, OnLost
 from ._gang import Gang
 

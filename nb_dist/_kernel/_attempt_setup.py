@@ -5,7 +5,7 @@ rank's error file and collective counter; a cluster adds its node's layout on to
 it is told at its start (:func:`rank_spec`) are decided here, from the plan, for every
 transport.
 
-A launch opens one :class:`RunSetup` per try (restarts open another); live ranks open one per
+A launch opens one :class:`AttemptSetup` per try (restarts open another); live ranks open one per
 start and keep it until they stop. Either way the kernel hosts the rendezvous store (on node
 0), each rank gets an error file and a collective counter in a private folder, and each
 rank's environment names them. Runs in the kernel.
@@ -21,12 +21,12 @@ from typing import Any
 
 from .._rank._spec import RankSpec
 from .._shared._net import is_loopback
-from .._starter._run_parts import rank_files, scratch_folder
+from .._starter._parts import rank_files, scratch_folder
 from . import _ports
 from ._plan import LaunchPlan
 
 
-class RunSetup:
+class AttemptSetup:
     """The store, folder and per-rank environments of one attempt; :meth:`close` frees them."""
 
     def __init__(self, plan: LaunchPlan, attempt: int, folder_prefix: str) -> None:
@@ -57,7 +57,7 @@ class RunSetup:
             shutil.rmtree(self.folder, ignore_errors=True)
             self.folder = None
 
-    def __enter__(self) -> RunSetup:
+    def __enter__(self) -> AttemptSetup:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -75,7 +75,7 @@ def rank_env(plan: LaunchPlan, index: int, port: int, attempt: int, folder: str)
 def torchrun_env(plan: LaunchPlan, index: int, port: int, attempt: int) -> dict[str, str]:
     """The environment torchrun would give the rank at ``index``, plus nb_dist's own
     hand-offs. Its ``LOCAL_RANK`` is ``index``, as on this machine; a cluster's rank gets its
-    place on its node instead (``_cluster/_remote_run.cluster_env``)."""
+    place on its node instead (``_cluster/_remote_attempt.cluster_env``)."""
     rank, mixed = plan.ranks[index], plan.mixed_precision
     env = {
         "RANK": str(rank),
