@@ -302,7 +302,8 @@ def _listening(port: int) -> bool:
 def test_a_launch_that_fails_after_its_store_opened_closes_the_store(cluster, monkeypatch):
     """The store on rank 0's agent goes with a run that never started (an error while the
     ranks' environments are made), not only with one whose ranks ran."""
-    from nb_dist._cluster import _gang, _remote_attempt
+    from nb_dist._cluster import _gang
+    from nb_dist._kernel import _attempt_setup
 
     opened: list[int] = []
     open_store = _gang.Gang.open_store
@@ -316,7 +317,7 @@ def test_a_launch_that_fails_after_its_store_opened_closes_the_store(cluster, mo
         raise RuntimeError("no environment for this rank")
 
     monkeypatch.setattr(_gang.Gang, "open_store", recorded)
-    monkeypatch.setattr(_remote_attempt, "cluster_env", no_environment)
+    monkeypatch.setattr(_attempt_setup, "rank_env", no_environment)
     with pytest.raises(RuntimeError, match="no environment"):
         nb_dist.notebook_launcher(_warm, (1,), num_processes=2, cluster=cluster)
     assert len(opened) == 1 and not _listening(opened[0])

@@ -21,6 +21,7 @@ from process_helpers import assert_all_gone
 
 import nb_dist
 from nb_dist._kernel._arguments import Asked
+from nb_dist._kernel._attempt_setup import Place
 from nb_dist._kernel._local import LocalTransport
 from nb_dist._kernel._plan import LaunchPlan, Where
 from nb_dist._kernel._rank_handle import Rank
@@ -70,13 +71,16 @@ class JournalledTransport:
         self.journal.append(("decide", len(where.ranks)))
         return where
 
-    def open(self, plan: LaunchPlan, attempt: int) -> tuple[list[dict[str, str]], RankHost]:
+    def open(
+        self, plan: LaunchPlan, attempt: int
+    ) -> tuple[list[dict[str, str]], list[Place], RankHost]:
         self.journal.append(("open", attempt, plan.session))
         if attempt in self._fail_open:
             raise ConnectionError("the transport could not reach its machines")
-        envs, host = self._local.open(plan, attempt)
+        envs, places, host = self._local.open(plan, attempt)
         envs = [{**env, SEAM_ENV: str(attempt)} for env in envs]
-        return envs, _JournalledHost(host, self.journal, attempt, attempt in self._fail_start)
+        journalled = _JournalledHost(host, self.journal, attempt, attempt in self._fail_start)
+        return envs, places, journalled
 
     def interrupted(self) -> None:
         self.journal.append(("interrupted",))

@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .._kernel._arguments import Asked, check_positive_int
+from .._kernel._attempt_setup import Place
 from .._kernel._plan import LaunchPlan, Where, start_method_on
 from .._shared import _protocol, _shipping
 from . import _connect, _placement, _remote_attempt
@@ -150,9 +151,12 @@ class RayCluster:
         gang = self._gang_for(nprocs, start_method_on(asked.start_method, FORK_INSTEAD))
         return where_on(gang, nprocs, use_gpu, payload, shipped)
 
-    def open(self, plan: LaunchPlan, attempt: int) -> tuple[list[dict[str, str]], ClusterHost]:
+    def open(
+        self, plan: LaunchPlan, attempt: int
+    ) -> tuple[list[dict[str, str]], list[Place], ClusterHost]:
         """One attempt's ranks (or a live session's, ``nb_dist.Ranks(cluster=...)``) on the
-        agents: their environments and their host; a gang that lost a node is given back
+        agents: their environments, their places on the gang's nodes (its layout now: a
+        replaced gang's may differ) and their host; a gang that lost a node is given back
         when the host closes."""
         gang = self._gang_for(plan.nprocs, plan.start_method)  # decide's, unless lost since
         return _remote_attempt.open_ranks(gang, plan, attempt)

@@ -1,48 +1,87 @@
-"""What one attempt's ranks share in the kernel: the store, a scratch folder, their environments.
+"""What one attempt's ranks share, for every transport: the store, a scratch folder, their
+places and environments.
 
-Each rank's environment (:func:`rank_env`: torchrun's variables, nb_dist's hand-offs, the
-rank's error file and collective counter; a cluster adds its node's layout on top) and what
-it is told at its start (:func:`rank_spec`) are decided here, from the plan, for every
-transport.
+A transport decides where each rank is (its :class:`Place`: on this machine from the plan,
+``_local.places_here``; on a cluster from its gang's layout, which a lost node changes,
+``_cluster/_remote_attempt.places_on``) and where the rendezvous store is hosted (a
+:class:`StoreHost`: the kernel's own, ``_local.KernelStore``, or the one on rank 0's node
+agent, ``_cluster/_remote_attempt.RunStore``); :class:`AttemptSetup` does the rest the same
+way for both: the scratch folder, the store opened, each rank's environment
+(:func:`rank_env`: torchrun's variables, nb_dist's hand-offs, the rank's error file and
+collective counter), all freed again if any of it fails. What a rank is told at its start is
+:func:`rank_spec`. Each variable is written once, here.
 
-A launch opens one :class:`AttemptSetup` per try (restarts open another); live ranks open one per
-start and keep it until they stop. Either way the kernel hosts the rendezvous store (on node
-0), each rank gets an error file and a collective counter in a private folder, and each
-rank's environment names them. Runs in the kernel.
+A launch opens one :class:`AttemptSetup` per try (restarts open another); live ranks open one
+per start and keep it until they stop; the transport's ``RankHost`` closes it. Runs in the
+kernel.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import socket
 import sys
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 from .._rank._spec import RankSpec
-from .._shared._net import is_loopback
 from .._starter._parts import rank_files, scratch_folder
-from . import _ports
 from ._plan import LaunchPlan
 
 
-class AttemptSetup:
-    """The store, folder and per-rank environments of one attempt; :meth:`close` frees them."""
+@dataclass(frozen=True)
+class Place:
+    """Where one rank is among an attempt's machines, decided once per attempt by its
+    transport: its place on its node (``LOCAL_RANK`` of ``LOCAL_WORLD_SIZE``), its node's
+    (``NODE_RANK`` of ``num_nodes``), and, where the transport knows them, the node's id
+    (``NB_DIST_NODE_ID``: a Ray node's, for code that asks) and the interface gloo uses there
+    (``GLOO_SOCKET_IFNAME``; ``None``: gloo's own choice, or the caller's variable, which the
+    rank inherits). Written into the rank's environment by :func:`torchrun_env`, told to the
+    rank by :func:`rank_spec`, and handed to the supervisor with the environments."""
 
-    def __init__(self, plan: LaunchPlan, attempt: int, folder_prefix: str) -> None:
-        self.store: Any = None
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    num_nodes: int
+    node_id: str | None = None
+    interface: str | None = None
+
+
+class StoreHost(Protocol):
+    """Where an attempt's rendezvous store is hosted (the kernel, a node's agent)."""
+
+    def open(self, world_size: int) -> tuple[str, int]:
+        """The store for ``world_size`` ranks, opened where this host keeps it: the address
+        and port the ranks reach it at (``MASTER_ADDR``, ``MASTER_PORT``)."""
+        ...
+
+    def close(self) -> None:
+        """Stop hosting it; idempotent, and also called after an :meth:`open` that raised."""
+        ...
+
+
+class AttemptSetup:
+    """One attempt's scratch folder, its store (opened through ``store``) and each rank's
+    environment at its place (``places[i]`` for the rank at index ``i``); :meth:`close`
+    frees them, as a failure while they are made does."""
+
+    def __init__(
+        self,
+        plan: LaunchPlan,
+        attempt: int,
+        folder_prefix: str,
+        store: StoreHost,
+        places: Sequence[Place],
+    ) -> None:
+        self.store = store
+        self.places = list(places)
         self.folder: str | None = scratch_folder(folder_prefix)
         try:
-            if plan.node_rank == 0:
-                # On one machine the store listens on master_addr only (127.0.0.1 unless
-                # asked otherwise); placed by hand on several, on every interface.
-                self.store = _ports.open_store(
-                    plan.master_addr, plan.port, plan.world_size, only_there=plan.num_nodes == 1
-                )
-            self.port: int = self.store.port if self.store is not None else plan.port or 0
+            address, self.port = store.open(plan.world_size)
             self.envs = [
-                rank_env(plan, local, self.port, attempt, self.folder)
-                for local in range(plan.nprocs)
+                rank_env(plan, index, place, address, self.port, attempt, self.folder)
+                for index, place in enumerate(self.places)
             ]
         except BaseException:
             self.close()
@@ -50,12 +89,12 @@ class AttemptSetup:
 
     def close(self) -> None:
         """Stop hosting the store (its port is free again) and remove the folder. Idempotent."""
-        if self.store is not None:
-            _ports.forget_store(self.store)
-            self.store = None  # drops the last reference: the server stops
-        if self.folder is not None:
-            shutil.rmtree(self.folder, ignore_errors=True)
-            self.folder = None
+        try:
+            self.store.close()
+        finally:
+            if self.folder is not None:
+                shutil.rmtree(self.folder, ignore_errors=True)
+                self.folder = None
 
     def __enter__(self) -> AttemptSetup:
         return self
@@ -64,32 +103,36 @@ class AttemptSetup:
         self.close()
 
 
-def rank_env(plan: LaunchPlan, index: int, port: int, attempt: int, folder: str) -> dict[str, str]:
-    """The environment of the rank at ``index`` (among the kernel's ranks), with its error
-    file and collective counter in ``folder``."""
-    env = torchrun_env(plan, index, port, attempt)
+def rank_env(
+    plan: LaunchPlan, index: int, place: Place, address: str, port: int, attempt: int, folder: str
+) -> dict[str, str]:
+    """The environment of the rank at ``index`` (among the plan's ranks) at ``place``, the
+    store at ``address:port``, with its error file and collective counter in ``folder``."""
+    env = torchrun_env(plan, index, place, address, port, attempt)
     env.update(rank_files(folder, plan.ranks[index]))
     return env
 
 
-def torchrun_env(plan: LaunchPlan, index: int, port: int, attempt: int) -> dict[str, str]:
-    """The environment torchrun would give the rank at ``index``, plus nb_dist's own
-    hand-offs. Its ``LOCAL_RANK`` is ``index``, as on this machine; a cluster's rank gets its
-    place on its node instead (``_cluster/_remote_attempt.cluster_env``)."""
+def torchrun_env(
+    plan: LaunchPlan, index: int, place: Place, address: str, port: int, attempt: int
+) -> dict[str, str]:
+    """The environment torchrun would give the rank at ``index`` at ``place`` (its node's
+    ranks and nodes, as its transport decided them), the store at ``address:port``, plus
+    nb_dist's own hand-offs."""
     rank, mixed = plan.ranks[index], plan.mixed_precision
     env = {
         "RANK": str(rank),
-        "LOCAL_RANK": str(index),
+        "LOCAL_RANK": str(place.local_rank),
         "WORLD_SIZE": str(plan.world_size),
-        "LOCAL_WORLD_SIZE": str(plan.nprocs),
-        "NODE_RANK": str(plan.node_rank),
-        "GROUP_RANK": str(plan.node_rank),
-        "GROUP_WORLD_SIZE": str(plan.num_nodes),
+        "LOCAL_WORLD_SIZE": str(place.local_world_size),
+        "NODE_RANK": str(place.node_rank),
+        "GROUP_RANK": str(place.node_rank),
+        "GROUP_WORLD_SIZE": str(place.num_nodes),
         "ROLE_RANK": str(rank),
         # What torch's elastic_launch (and so accelerate.notebook_launcher) gives.
         "ROLE_NAME": "default_role",
         "ROLE_WORLD_SIZE": str(plan.world_size),
-        "MASTER_ADDR": plan.master_addr,
+        "MASTER_ADDR": address,
         "MASTER_PORT": str(port),
         # The kernel hosts the store (see ports.py): every rank connects as a client.
         "TORCHELASTIC_USE_AGENT_STORE": "True",
@@ -101,7 +144,7 @@ def torchrun_env(plan: LaunchPlan, index: int, port: int, attempt: int) -> dict[
         "NB_DIST_MIXED_PRECISION": mixed,
         # accelerate.notebook_launcher's own hand-offs, for code that reads them.
         "MIXED_PRECISION": mixed,
-        "NPROC": str(plan.nprocs),
+        "NPROC": str(place.local_world_size),
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
         # torch's own store-based barrier at the end of init_process_group and new_group:
         # without it a rank whose function returns right after init exits while a slower
@@ -112,12 +155,10 @@ def torchrun_env(plan: LaunchPlan, index: int, port: int, attempt: int) -> dict[
     }
     if plan.threads is not None:
         env["OMP_NUM_THREADS"] = str(plan.threads)
-    if is_loopback(plan.master_addr) and not os.environ.get("GLOO_SOCKET_IFNAME"):
-        # Gloo otherwise resolves the host name to pick an interface, which fails on
-        # machines without network or with an unresolvable host name.
-        interface = _loopback_interface()
-        if interface:
-            env["GLOO_SOCKET_IFNAME"] = interface
+    if place.interface:
+        env["GLOO_SOCKET_IFNAME"] = place.interface
+    if place.node_id is not None:
+        env["NB_DIST_NODE_ID"] = place.node_id
     if not plan.use_gpu:
         # Accelerate only picks MULTI_CPU (gloo, one process per rank) when told to use
         # the CPU; without it, Accelerator() in each rank would see a single process.
@@ -130,30 +171,15 @@ def torchrun_env(plan: LaunchPlan, index: int, port: int, attempt: int) -> dict[
     return env
 
 
-def _loopback_interface() -> str | None:
-    names = (
-        {name for _, name in socket.if_nameindex()} if hasattr(socket, "if_nameindex") else set()
-    )
-    for candidate in ("lo", "lo0"):
-        if candidate in names:
-            return candidate
-    return None
-
-
 def rank_spec(
-    plan: LaunchPlan,
-    index: int,
-    env: dict[str, str],
-    close_fds: list[int],
-    local_rank: int | None = None,
+    plan: LaunchPlan, index: int, place: Place, env: dict[str, str], close_fds: list[int]
 ) -> RankSpec:
-    """What the rank at ``index`` (among the plan's ranks) is told: its rank, its
-    ``LOCAL_RANK`` (``index`` on this machine; on a cluster, its place on its node), its
-    environment, and the function (or its bytes)."""
+    """What the rank at ``index`` (among the plan's ranks) is told: its rank, its local rank
+    (its ``place`` on its node), its environment, and the function (or its bytes)."""
     shipped = plan.payload is not None
     return RankSpec(
         rank=plan.ranks[index],
-        local_rank=index if local_rank is None else local_rank,
+        local_rank=place.local_rank,
         env=env,
         threads=plan.threads,
         init_process_group=plan.init_process_group,

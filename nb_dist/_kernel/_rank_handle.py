@@ -39,11 +39,11 @@ class RendezvousState:
 class Rank:
     """One rank: started by the supervisor, fed by its pipes, finalized once it ended."""
 
-    def __init__(self, index: int, rank: int, local_rank: int | None = None) -> None:
+    def __init__(self, index: int, rank: int, local_rank: int) -> None:
         #: This rank's index among the kernel's ranks (its pipes, its output's place, its log).
         self.index = index
         #: Its ``LOCAL_RANK`` (on a cluster: on its node), as its outcome reports it.
-        self.local_rank = index if local_rank is None else local_rank
+        self.local_rank = local_rank
         self.outcome = RankOutcome(rank=rank, local_rank=self.local_rank, status="starting")
         self.process: RankProcess | None = None
         self.pipes: dict[str, Connection] = {}

@@ -34,6 +34,7 @@ from .._shared._protocol import COLLECTIVES_ENV
 from .._shared._reporting import Reports
 from .._starter._parts import DRAIN_AFTER_EXIT
 from . import _diagnosis, _prompts, _run_errors, _teardown, _watchdogs
+from ._attempt_setup import Place
 from ._errors import LaunchTimeoutError, RankOutcome, RankStatus
 from ._observer import Observer
 from ._output import OutputRouter
@@ -93,6 +94,7 @@ class Supervisor:
         self,
         plan: LaunchPlan,
         rank_envs: list[dict[str, str]],
+        places: list[Place],
         router: OutputRouter,
         observer: Observer | None,
         host: RankHost,
@@ -104,9 +106,10 @@ class Supervisor:
         self.rank_envs = rank_envs
         #: Where the ranks run (this machine unless a cluster's host is given).
         self.host = host
+        #: One handle per rank, its local rank from the place its transport decided.
         self.ranks = [
-            Rank(i, r, int(env["LOCAL_RANK"]) if "LOCAL_RANK" in env else None)
-            for i, (r, env) in enumerate(zip(plan.ranks, rank_envs, strict=True))
+            Rank(i, r, place.local_rank)
+            for i, (r, place) in enumerate(zip(plan.ranks, places, strict=True))
         ]
         #: The run now going on: its ranks, output, reports and watchdog marks (``_pump.py``),
         #: under ``policy``. A launch has one; a live session (``_live/_session.py``), which
