@@ -154,8 +154,8 @@ def _env_and_sum(offset):
     dist.init_process_group("gloo")
     t = torch.tensor([float(dist.get_rank() + 1)])
     dist.all_reduce(t)
-    keys = ("RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "MASTER_ADDR",
-            "NB_DIST_NODE_ID")  # fmt: skip
+    keys = ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "NPROC",
+            "GROUP_WORLD_SIZE", "WORLD_SIZE", "MASTER_ADDR", "NB_DIST_NODE_ID")  # fmt: skip
     return {k: os.environ[k] for k in keys}, t.item() + offset
 
 
@@ -166,8 +166,11 @@ def test_values_per_rank_and_the_environment_by_node(cluster, ray_cluster):
     assert [env0["RANK"], env1["RANK"]] == ["0", "1"]
     assert env0["NB_DIST_NODE_ID"] != env1["NB_DIST_NODE_ID"]  # STRICT_SPREAD: one per node
     assert [env0["NODE_RANK"], env1["NODE_RANK"]] == ["0", "1"]  # the nodes share an address
+    assert [env0["GROUP_RANK"], env1["GROUP_RANK"]] == ["0", "1"]
     assert env0["LOCAL_RANK"] == env1["LOCAL_RANK"] == "0"
-    assert env0["LOCAL_WORLD_SIZE"] == "1" and env0["WORLD_SIZE"] == "2"
+    for env in (env0, env1):
+        assert env["LOCAL_WORLD_SIZE"] == env["NPROC"] == "1"
+        assert env["GROUP_WORLD_SIZE"] == env["WORLD_SIZE"] == "2"
     nodes = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
     assert env0["MASTER_ADDR"] == env1["MASTER_ADDR"] == nodes[env0["NB_DIST_NODE_ID"]]
     assert [o.status for o in result.outcomes] == ["ok", "ok"]
