@@ -9,7 +9,9 @@ agent, ``_cluster/_remote_attempt.RunStore``); :class:`AttemptSetup` does the re
 way for both: the scratch folder, the store opened, each rank's environment
 (:func:`rank_env`: torchrun's variables, nb_dist's hand-offs, the rank's error file and
 collective counter), all freed again if any of it fails. What a rank is told at its start is
-:func:`rank_spec`. Each variable is written once, here.
+:func:`rank_spec`. Each variable is written once: by :func:`torchrun_env`, the files' by
+``_starter/_parts.rank_files`` (on a cluster a node's agent gives the rank its own files there,
+the kernel's being their mirrors).
 
 A launch opens one :class:`AttemptSetup` per try (restarts open another); live ranks open one
 per start and keep it until they stop; the transport's ``RankHost`` closes it. Runs in the
