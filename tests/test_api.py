@@ -93,6 +93,7 @@ PUBLIC_TEACH = [
     "check",
     "check_code",
     "ddp_buffer_sync",
+    "explain",
     "reduce_scatter_single",
     "torch_name",
 ]

@@ -15,9 +15,14 @@ from multiprocessing.connection import Connection
 import pytest
 
 import nb_dist
+from nb_dist._cluster import _remote_attempt
 from nb_dist._cluster._forward import AgentLink
-from nb_dist._cluster._gang import clock_offset, layout
+from nb_dist._cluster._gang import Node, clock_offset, layout
 from nb_dist._cluster._placement import bundles, infeasible
+from nb_dist._kernel import _attempt_setup
+from nb_dist._kernel._arguments import LaunchOptions, check_arguments
+from nb_dist._kernel._attempt_setup import Place
+from nb_dist._kernel._plan import LaunchPlan, Where, plan_on
 from nb_dist._node._outbox import Batch
 from nb_dist._shared import _protocol
 
@@ -37,6 +42,114 @@ def test_layout_numbers_ranks_node_by_node_as_torchrun_does():
     assert lay.agent == (0, 0, 2, 2, 1) and lay.position == (0, 1, 0, 1, 0)
     # One rank per agent, nodes interleaved: still node by node.
     assert layout(["A", "B", "A"], [1, 1, 1]).node_rank == (0, 0, 1)
+
+
+class _TwoNodeGang:
+    """What opening an attempt reads of a gang: three agents on two nodes (node-b's without a
+    known interface), and a store on rank 0's node; the runs it ends are recorded."""
+
+    def __init__(self) -> None:
+        self.nodes = [
+            Node("node-a", "10.0.0.1", "a", "eth0", 2, None),
+            Node("node-b", "10.0.0.2", "b", None, 1, None),
+            Node("node-a", "10.0.0.1", "a", "eth0", 2, None),
+        ]
+        self.layout = layout([n.node_id for n in self.nodes], [2, 1, 2])
+        self.ended: list[tuple[int, object]] = []
+
+    def new_run(self) -> int:
+        return 7
+
+    def open_store(self, run: int, world_size: int) -> tuple[str, int]:
+        assert (run, world_size) == (7, 5)
+        return "10.0.0.1", 4242
+
+    def end_run(self, run: int, links: object = None) -> None:
+        self.ended.append((run, links))
+
+    def let_go(self, session: object) -> None:
+        pass
+
+
+def _cluster_plan() -> LaunchPlan:
+    asked = check_arguments(_square, (3,), LaunchOptions(num_processes=5))
+    where = Where(
+        ranks=(0, 1, 2, 3, 4), world_size=5, num_nodes=2, use_gpu=False, cores_per_rank=1,
+        instead_of_fork="forkserver", started_by_agents=True, payload=b"shipped",
+    )  # fmt: skip
+    return plan_on(asked, where)
+
+
+def _square(x: int) -> int:
+    return x * x
+
+
+_PLACE_NAMES = ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "NPROC", "NODE_RANK", "GROUP_RANK",
+                "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "NB_DIST_NODE_ID",
+                "GLOO_SOCKET_IFNAME")  # fmt: skip
+
+
+@pytest.mark.parametrize("chosen", [None, "ens5"])
+def test_a_cluster_attempt_gives_each_rank_its_place_on_a_two_node_layout(monkeypatch, chosen):
+    """Each rank's environment on a gang of three agents on two nodes, built by the same
+    ``AttemptSetup`` as a local attempt's: its place from the layout (local ranks across a
+    node's agents), the store on rank 0's node, the node's id and gloo's interface (the
+    caller's, else the node's; none where neither is known); the host ends the run once and
+    removes the folder."""
+    if chosen is None:
+        monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    else:
+        monkeypatch.setenv("GLOO_SOCKET_IFNAME", chosen)
+    gang = _TwoNodeGang()
+    envs, places, host = _remote_attempt.open_ranks(gang, _cluster_plan(), 1)  # type: ignore[arg-type]
+    try:
+        a, b = chosen or "eth0", chosen
+        assert places == [
+            Place(0, 4, 0, 2, "node-a", a), Place(1, 4, 0, 2, "node-a", a),
+            Place(2, 4, 0, 2, "node-a", a), Place(3, 4, 0, 2, "node-a", a),
+            Place(0, 1, 1, 2, "node-b", b),
+        ]  # fmt: skip
+        got = [tuple(env.get(name) for name in _PLACE_NAMES) for env in envs]
+        assert got == [
+            ("0", "4", "4", "0", "0", "2", "10.0.0.1", "4242", "node-a", a),
+            ("1", "4", "4", "0", "0", "2", "10.0.0.1", "4242", "node-a", a),
+            ("2", "4", "4", "0", "0", "2", "10.0.0.1", "4242", "node-a", a),
+            ("3", "4", "4", "0", "0", "2", "10.0.0.1", "4242", "node-a", a),
+            ("0", "1", "1", "1", "1", "2", "10.0.0.1", "4242", "node-b", b),
+        ]  # fmt: skip
+        assert [env["RANK"] for env in envs] == ["0", "1", "2", "3", "4"]
+        assert {env["WORLD_SIZE"] for env in envs} == {"5"}
+        assert {env["TORCHELASTIC_RESTART_COUNT"] for env in envs} == {"1"}
+        folder = os.path.dirname(os.path.dirname(envs[0]["TORCHELASTIC_ERROR_FILE"]))
+        assert os.path.basename(folder).startswith("nb_dist_cluster_")
+        assert os.path.isdir(folder) and gang.ended == []
+    finally:
+        host.close()
+    assert gang.ended == [(7, None)] and not os.path.exists(folder)
+    host.close()
+    assert gang.ended == [(7, None)]  # once
+
+
+def test_a_cluster_attempt_that_fails_while_its_environments_are_made_frees_all(monkeypatch):
+    """As a local attempt: the error as raised, the run's store closed (the run ended on
+    rank 0's agent) and the scratch folder removed."""
+    made: list[str] = []
+    scratch_folder = _attempt_setup.scratch_folder
+
+    def recorded(prefix: str) -> str:
+        made.append(scratch_folder(prefix))
+        return made[-1]
+
+    def no_environment(*args: object, **kwargs: object) -> dict[str, str]:
+        raise RuntimeError("no environment for this rank")
+
+    monkeypatch.setattr(_attempt_setup, "scratch_folder", recorded)
+    monkeypatch.setattr(_attempt_setup, "rank_env", no_environment)
+    gang = _TwoNodeGang()
+    with pytest.raises(RuntimeError, match="no environment for this rank"):
+        _remote_attempt.open_ranks(gang, _cluster_plan(), 0)  # type: ignore[arg-type]
+    assert gang.ended == [(7, None)]
+    assert len(made) == 1 and not os.path.exists(made[0])
 
 
 def test_times_from_another_machine_are_put_on_the_kernels_clock():

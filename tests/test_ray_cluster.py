@@ -154,8 +154,8 @@ def _env_and_sum(offset):
     dist.init_process_group("gloo")
     t = torch.tensor([float(dist.get_rank() + 1)])
     dist.all_reduce(t)
-    keys = ("RANK", "LOCAL_RANK", "NODE_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE", "MASTER_ADDR",
-            "NB_DIST_NODE_ID")  # fmt: skip
+    keys = ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "NPROC",
+            "GROUP_WORLD_SIZE", "WORLD_SIZE", "MASTER_ADDR", "NB_DIST_NODE_ID")  # fmt: skip
     return {k: os.environ[k] for k in keys}, t.item() + offset
 
 
@@ -166,8 +166,11 @@ def test_values_per_rank_and_the_environment_by_node(cluster, ray_cluster):
     assert [env0["RANK"], env1["RANK"]] == ["0", "1"]
     assert env0["NB_DIST_NODE_ID"] != env1["NB_DIST_NODE_ID"]  # STRICT_SPREAD: one per node
     assert [env0["NODE_RANK"], env1["NODE_RANK"]] == ["0", "1"]  # the nodes share an address
+    assert [env0["GROUP_RANK"], env1["GROUP_RANK"]] == ["0", "1"]
     assert env0["LOCAL_RANK"] == env1["LOCAL_RANK"] == "0"
-    assert env0["LOCAL_WORLD_SIZE"] == "1" and env0["WORLD_SIZE"] == "2"
+    for env in (env0, env1):
+        assert env["LOCAL_WORLD_SIZE"] == env["NPROC"] == "1"
+        assert env["GROUP_WORLD_SIZE"] == env["WORLD_SIZE"] == "2"
     nodes = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
     assert env0["MASTER_ADDR"] == env1["MASTER_ADDR"] == nodes[env0["NB_DIST_NODE_ID"]]
     assert [o.status for o in result.outcomes] == ["ok", "ok"]
@@ -302,7 +305,8 @@ def _listening(port: int) -> bool:
 def test_a_launch_that_fails_after_its_store_opened_closes_the_store(cluster, monkeypatch):
     """The store on rank 0's agent goes with a run that never started (an error while the
     ranks' environments are made), not only with one whose ranks ran."""
-    from nb_dist._cluster import _gang, _remote_run
+    from nb_dist._cluster import _gang
+    from nb_dist._kernel import _attempt_setup
 
     opened: list[int] = []
     open_store = _gang.Gang.open_store
@@ -316,7 +320,7 @@ def test_a_launch_that_fails_after_its_store_opened_closes_the_store(cluster, mo
         raise RuntimeError("no environment for this rank")
 
     monkeypatch.setattr(_gang.Gang, "open_store", recorded)
-    monkeypatch.setattr(_remote_run, "cluster_env", no_environment)
+    monkeypatch.setattr(_attempt_setup, "rank_env", no_environment)
     with pytest.raises(RuntimeError, match="no environment"):
         nb_dist.notebook_launcher(_warm, (1,), num_processes=2, cluster=cluster)
     assert len(opened) == 1 and not _listening(opened[0])

@@ -6,8 +6,9 @@ would: its own variable in every rank's environment, and a journal of the calls 
 and ``nb_dist.Ranks`` make on it. The tests assert the contract the two built-in transports
 rely on: ``decide`` once per launch, ``open`` once per attempt with its number, the host
 started once and closed once per attempt (also when the attempt failed or the host refused
-to start), the transport's environment reaching every rank, and a failure of ``open`` ending
-the launch with nothing left running.
+to start), the transport's environment reaching every rank, each rank's place (what ``open``
+decided) in its environment and its outcome, and a failure of ``open`` ending the launch
+with nothing left running.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from process_helpers import assert_all_gone
 
 import nb_dist
 from nb_dist._kernel._arguments import Asked
+from nb_dist._kernel._attempt_setup import Place
 from nb_dist._kernel._local import LocalTransport
 from nb_dist._kernel._plan import LaunchPlan, Where
 from nb_dist._kernel._rank_handle import Rank
@@ -62,6 +64,8 @@ class JournalledTransport:
 
     def __init__(self, fail_open: tuple[int, ...] = (), fail_start: tuple[int, ...] = ()):
         self.journal: list[tuple] = []
+        #: The places each attempt's open decided, in order.
+        self.places: list[list[Place]] = []
         self._local = LocalTransport()
         self._fail_open, self._fail_start = fail_open, fail_start
 
@@ -70,13 +74,17 @@ class JournalledTransport:
         self.journal.append(("decide", len(where.ranks)))
         return where
 
-    def open(self, plan: LaunchPlan, attempt: int) -> tuple[list[dict[str, str]], RankHost]:
+    def open(
+        self, plan: LaunchPlan, attempt: int
+    ) -> tuple[list[dict[str, str]], list[Place], RankHost]:
         self.journal.append(("open", attempt, plan.session))
         if attempt in self._fail_open:
             raise ConnectionError("the transport could not reach its machines")
-        envs, host = self._local.open(plan, attempt)
+        envs, places, host = self._local.open(plan, attempt)
+        self.places.append(places)
         envs = [{**env, SEAM_ENV: str(attempt)} for env in envs]
-        return envs, _JournalledHost(host, self.journal, attempt, attempt in self._fail_start)
+        journalled = _JournalledHost(host, self.journal, attempt, attempt in self._fail_start)
+        return envs, places, journalled
 
     def interrupted(self) -> None:
         self.journal.append(("interrupted",))
@@ -119,6 +127,32 @@ def test_a_third_transport_runs_every_attempt_through_open_start_and_close(tmp_p
         ("open", 1, False), ("start", 1, 2), ("close", 1),
     ]  # fmt: skip
     assert_all_gone(_pids(tmp_path), within=0)
+
+
+_PLACE_NAMES = ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "NPROC", "NODE_RANK", "GROUP_RANK",
+                "GROUP_WORLD_SIZE", "MASTER_ADDR", "GLOO_SOCKET_IFNAME",
+                "NB_DIST_NODE_ID")  # fmt: skip
+
+
+def _place_seen() -> dict[str, str | None]:
+    return {name: os.environ.get(name) for name in _PLACE_NAMES}
+
+
+def test_each_ranks_place_reaches_its_environment_and_the_supervisor(monkeypatch):
+    """The places ``open`` decided (on this machine: from the plan) are what each rank's
+    environment says and what the launch's outcomes report, read from a real launch."""
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    transport = JournalledTransport()
+    result = nb_dist.notebook_launcher(_place_seen, num_processes=3, cluster=transport,
+                                       output="none")  # fmt: skip
+    assert transport.places == [[Place(i, 3, 0, 1, None, "lo") for i in range(3)]]
+    assert list(result) == [
+        {"LOCAL_RANK": str(i), "LOCAL_WORLD_SIZE": "3", "NPROC": "3", "NODE_RANK": "0",
+         "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+         "GLOO_SOCKET_IFNAME": "lo", "NB_DIST_NODE_ID": None}
+        for i in range(3)
+    ]  # fmt: skip
+    assert [o.local_rank for o in result.outcomes] == [0, 1, 2]
 
 
 def test_live_ranks_open_one_session_through_a_third_transport(tmp_path):

@@ -35,8 +35,8 @@ from multiprocessing.connection import Connection
 from typing import Any, NamedTuple
 
 from .._node._outbox import Batch
+from .._starter._parts import hold_out_of_forks
 from .._starter._processes import REAP_WITHIN
-from .._starter._run_parts import hold_out_of_forks
 
 #: How long one long poll waits on the node when nothing happens (also how stale the
 #: kernel's copy of a silent rank's collective counts can be).

@@ -4,7 +4,7 @@ Runs in the kernel. ``notebook_launcher(fn, num_processes=8, cluster=RayCluster(
 gives the launch to the cluster, its transport (``_kernel/_transport.py``): it reserves one
 placement-group bundle per node (``processes_per_node`` ranks' ``resources_per_rank``
 each), puts a node agent in each and keeps them for later launches (the next launch reuses
-the agents and their fork servers), and runs each attempt over them (``_remote_run.py``).
+the agents and their fork servers), and runs each attempt over them (``_remote_attempt.py``).
 ■ stops the ranks and keeps the agents warm; :meth:`close` (or the end of a ``with`` block,
 or a lost node) gives the agents and the placement group back; when the kernel dies, Ray
 removes both with its driver.
@@ -27,11 +27,12 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .._kernel._arguments import Asked, check_positive_int
+from .._kernel._attempt_setup import Place
 from .._kernel._plan import LaunchPlan, Where, start_method_on
 from .._shared import _protocol, _shipping
-from . import _connect, _placement, _remote_run
+from . import _connect, _placement, _remote_attempt
 from ._gang import Gang, gang_key
-from ._remote_run import ClusterHost
+from ._remote_attempt import ClusterHost
 
 _log = logging.getLogger(__name__)
 #: Agents that answered this recently count as healthy without asking again: a launch's
@@ -150,12 +151,15 @@ class RayCluster:
         gang = self._gang_for(nprocs, start_method_on(asked.start_method, FORK_INSTEAD))
         return where_on(gang, nprocs, use_gpu, payload, shipped)
 
-    def open(self, plan: LaunchPlan, attempt: int) -> tuple[list[dict[str, str]], ClusterHost]:
+    def open(
+        self, plan: LaunchPlan, attempt: int
+    ) -> tuple[list[dict[str, str]], list[Place], ClusterHost]:
         """One attempt's ranks (or a live session's, ``nb_dist.Ranks(cluster=...)``) on the
-        agents: their environments and their host; a gang that lost a node is given back
+        agents: their environments, their places on the gang's nodes (its layout now: a
+        replaced gang's may differ) and their host; a gang that lost a node is given back
         when the host closes."""
         gang = self._gang_for(plan.nprocs, plan.start_method)  # decide's, unless lost since
-        return _remote_run.open_ranks(gang, plan, attempt)
+        return _remote_attempt.open_ranks(gang, plan, attempt)
 
     def interrupted(self) -> None:
         """■ stopped the ranks (the run ended on every agent as the supervisor closed); the

@@ -230,7 +230,7 @@ def _run_attempt(
     __tracebackhide__ = True
     supervisor, port = open_supervised(
         transport, plan, attempt,
-        lambda envs, host: Supervisor(plan, envs, router, live_view, host),
+        lambda envs, places, host: Supervisor(plan, envs, places, router, live_view, host),
     )  # fmt: skip
     try:
         return supervisor.run(), port  # run() closes the host

@@ -2,16 +2,17 @@
 
 Runs in the kernel. :meth:`LocalTransport.decide` is :func:`decide_here` (the kernel's
 state, this machine's devices: how many ranks, GPUs or not);
-:meth:`LocalTransport.open` opens the kernel's store, scratch folder and environments
-(``_run_setup.RunSetup``) for one attempt or one start of live ranks, and gives them to a
-:class:`LocalHost`, which starts the ranks (:func:`start_all`) and frees all of it when the
-run (or the session) is over.
+:meth:`LocalTransport.open` decides each rank's place on this machine (:func:`places_here`,
+from the plan) and opens, for one attempt or one start of live ranks, the scratch folder,
+the kernel's store (:class:`KernelStore`) and the environments
+(``_attempt_setup.AttemptSetup``), and gives them to a :class:`LocalHost`, which starts the
+ranks (:func:`start_all`) and frees all of it when the run (or the session) is over.
 
 Starting: each rank gets five pipes (four to the kernel, ``commands`` from it; see
 ``_protocol.py``) and two shared ones, the **lifeline** (the kernel keeps its only write end;
 when the kernel dies, every rank reads EOF and kills itself, besides the parent-death signal)
 and the **start gate** (no rank runs user code before all are started;
-``_rank/_entry._wait_for_gate``), both from ``_starter/_run_parts.py``, which a cluster node's
+``_rank/_entry._wait_for_gate``), both from ``_starter/_parts.py``, which a cluster node's
 agent uses too. A forked rank closes every kernel-side end it inherited (other ranks' read
 ends, the lifeline's and the gate's write ends), or EOF would never come.
 """
@@ -20,18 +21,21 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import socket
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.context import BaseContext
+from typing import Any
 
 from .._rank._spec import RankSpec
+from .._shared._net import is_loopback
 from .._starter import _processes
-from .._starter._run_parts import Gate, held_fds, hold_out_of_forks
+from .._starter._parts import Gate, held_fds, hold_out_of_forks
 from . import _openmp, _ports, _preflight
 from ._arguments import Asked
+from ._attempt_setup import AttemptSetup, Place, rank_spec
 from ._plan import LaunchPlan, Where
 from ._rank_handle import Rank
-from ._run_setup import RunSetup, rank_spec
 
 #: Builds one rank's spec from its local rank and the kernel-side fds it must close.
 SpecFor = Callable[[int, list[int]], RankSpec]
@@ -59,12 +63,63 @@ def start_all(method: str, ranks: list[Rank], spec_for: SpecFor) -> Connection:
     return lifeline
 
 
+class KernelStore:
+    """The ``StoreHost`` of a launch on this machine: the kernel hosts the store on node 0
+    (``_ports.open_store``); on another node of a launch placed by hand, none is hosted here
+    and the ranks reach node 0's at ``master_addr`` and the port asked for."""
+
+    def __init__(self, plan: LaunchPlan) -> None:
+        self._plan = plan
+        self._store: Any = None
+
+    def open(self, world_size: int) -> tuple[str, int]:
+        plan = self._plan
+        if plan.node_rank == 0:
+            # On one machine the store listens on master_addr only (127.0.0.1 unless
+            # asked otherwise); placed by hand on several, on every interface.
+            self._store = _ports.open_store(
+                plan.master_addr, plan.port, world_size, only_there=plan.num_nodes == 1
+            )
+        return plan.master_addr, self._store.port if self._store is not None else plan.port or 0
+
+    def close(self) -> None:
+        if self._store is not None:
+            _ports.forget_store(self._store)
+            self._store = None  # drops the last reference: the server stops
+
+
+def places_here(plan: LaunchPlan) -> list[Place]:
+    """Each rank's place on this machine: its index among the kernel's ranks is its local
+    rank, on node ``plan.node_rank`` of ``plan.num_nodes``; ranks that meet on a loopback
+    address use the loopback interface for gloo unless the caller chose one."""
+    interface = None
+    if is_loopback(plan.master_addr) and not os.environ.get("GLOO_SOCKET_IFNAME"):
+        # Gloo otherwise resolves the host name to pick an interface, which fails on
+        # machines without network or with an unresolvable host name.
+        interface = _loopback_interface()
+    return [
+        Place(local, plan.nprocs, plan.node_rank, plan.num_nodes, interface=interface)
+        for local in range(plan.nprocs)
+    ]
+
+
+def _loopback_interface() -> str | None:
+    names = (
+        {name for _, name in socket.if_nameindex()} if hasattr(socket, "if_nameindex") else set()
+    )
+    for candidate in ("lo", "lo0"):
+        if candidate in names:
+            return candidate
+    return None
+
+
 class LocalHost:
     """The supervisor's ``RankHost`` for ranks on this machine (fork, spawn or forkserver):
     it owns what the ranks share (``setup``: the store, the folder), closed with it."""
 
-    def __init__(self, setup: RunSetup, restart: bool) -> None:
-        self._setup: RunSetup | None = setup
+    def __init__(self, setup: AttemptSetup, restart: bool) -> None:
+        self._setup: AttemptSetup | None = setup
+        self._places = setup.places
         self._restart = restart
 
     def start(
@@ -74,7 +129,7 @@ class LocalHost:
             _openmp.release_pool()  # a restart forks again, and the kernel may have a pool again
 
         def spec_for(index: int, kernel_fds: list[int]) -> RankSpec:
-            return rank_spec(plan, index, envs[index], kernel_fds)
+            return rank_spec(plan, index, self._places[index], envs[index], kernel_fds)
 
         lifeline = start_all(plan.start_method, ranks, spec_for)
         # Who may hold a port later: a busy port held by one of these is named as ours.
@@ -175,9 +230,12 @@ class LocalTransport:
     def decide(self, asked: Asked) -> Where:
         return decide_here(asked)
 
-    def open(self, plan: LaunchPlan, attempt: int) -> tuple[list[dict[str, str]], LocalHost]:
-        setup = RunSetup(plan, attempt, "nb_dist_ranks_" if plan.session else "nb_dist_run_")
-        return setup.envs, LocalHost(setup, restart=attempt > 0)
+    def open(
+        self, plan: LaunchPlan, attempt: int
+    ) -> tuple[list[dict[str, str]], list[Place], LocalHost]:
+        prefix = "nb_dist_ranks_" if plan.session else "nb_dist_run_"
+        setup = AttemptSetup(plan, attempt, prefix, KernelStore(plan), places_here(plan))
+        return setup.envs, setup.places, LocalHost(setup, restart=attempt > 0)
 
     def interrupted(self) -> None:
         pass  # the ranks are stopped; the fork server and warm imports stay as they are

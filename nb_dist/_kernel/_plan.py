@@ -13,8 +13,8 @@ steps in order):
 
 The plan then says everything an attempt needs: ranks, devices, backend, threads, timeouts,
 output modes, the function (or its bytes). Each rank's environment (a superset of
-torchrun's) is built from it per attempt (``_run_setup.rank_env``), with the rendezvous port
-of the store opened for that attempt.
+torchrun's) is built from it per attempt (``_attempt_setup.rank_env``), with the rank's place
+its transport decided for that attempt and the address and port of the store opened for it.
 """
 
 from __future__ import annotations

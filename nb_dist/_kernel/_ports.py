@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .._starter import _run_parts
+from .._starter import _parts
 from ._errors import UnsafeLaunchError
 
 # Ports of launches from this kernel that are running now (a second launch from a thread).
@@ -54,7 +54,7 @@ def open_store(master_addr: str, port: int | None, world_size: int, only_there: 
     listening on ``master_addr`` only unless ``only_there`` is false (``host_store``); a
     taken port or an address not of this machine refused in words."""
     try:
-        store = _run_parts.host_store(master_addr, port, world_size, only_there)
+        store = _parts.host_store(master_addr, port, world_size, only_there)
     except (RuntimeError, OSError) as exc:
         if port is not None and _is_address_in_use(exc):
             raise port_in_use_error(port) from None

@@ -16,8 +16,8 @@ from typing import Any
 
 from .._shared import _collectives, _protocol, _values
 from .._shared._reporting import ReportEntry, Reports
+from .._starter._parts import open_rank_pipes
 from .._starter._processes import REAP_WITHIN, RankProcess, reap_by, signal_name
-from .._starter._run_parts import open_rank_pipes
 from ._diagnosis import Frame, RendezvousView, StuckRank, ended_without_value
 from ._errors import RankOutcome, RankStatus
 from ._output import LineSplitter, OutputRouter
@@ -39,11 +39,11 @@ class RendezvousState:
 class Rank:
     """One rank: started by the supervisor, fed by its pipes, finalized once it ended."""
 
-    def __init__(self, index: int, rank: int, local_rank: int | None = None) -> None:
+    def __init__(self, index: int, rank: int, local_rank: int) -> None:
         #: This rank's index among the kernel's ranks (its pipes, its output's place, its log).
         self.index = index
         #: Its ``LOCAL_RANK`` (on a cluster: on its node), as its outcome reports it.
-        self.local_rank = index if local_rank is None else local_rank
+        self.local_rank = local_rank
         self.outcome = RankOutcome(rank=rank, local_rank=self.local_rank, status="starting")
         self.process: RankProcess | None = None
         self.pipes: dict[str, Connection] = {}

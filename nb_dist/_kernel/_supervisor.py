@@ -6,9 +6,10 @@ an interrupt arrives there as ``KeyboardInterrupt`` and tears the ranks down; an
 rank is reaped and every pipe drained before control returns to the cell.
 
 Where the ranks run is the supervisor's one injected part, its :class:`RankHost`: this
-machine (``_local.LocalHost``) or a cluster's node agents (``_cluster/_remote_run.ClusterHost``);
-the loop, the output, the diagnosis and the results are the same for both. How a run treats
-a failure is the other: its :class:`~_pump.Policy` (``policy=``, a launch's by default).
+machine (``_local.LocalHost``) or a cluster's node agents
+(``_cluster/_remote_attempt.ClusterHost``); the loop, the output, the diagnosis and the
+results are the same for both. How a run treats a failure is the other: its
+:class:`~_pump.Policy` (``policy=``, a launch's by default).
 
 A launch calls :meth:`Supervisor.run`. Live ranks (``_live/_session.py``) hold a supervisor
 and drive its loop task by task through a small public surface (the members the session's
@@ -31,8 +32,9 @@ from typing import Any, Protocol
 from .._shared import _protocol
 from .._shared._protocol import COLLECTIVES_ENV
 from .._shared._reporting import Reports
-from .._starter._run_parts import DRAIN_AFTER_EXIT
+from .._starter._parts import DRAIN_AFTER_EXIT
 from . import _diagnosis, _prompts, _run_errors, _teardown, _watchdogs
+from ._attempt_setup import Place
 from ._errors import LaunchTimeoutError, RankOutcome, RankStatus
 from ._observer import Observer
 from ._output import OutputRouter
@@ -92,6 +94,7 @@ class Supervisor:
         self,
         plan: LaunchPlan,
         rank_envs: list[dict[str, str]],
+        places: list[Place],
         router: OutputRouter,
         observer: Observer | None,
         host: RankHost,
@@ -103,9 +106,10 @@ class Supervisor:
         self.rank_envs = rank_envs
         #: Where the ranks run (this machine unless a cluster's host is given).
         self.host = host
+        #: One handle per rank, its local rank from the place its transport decided.
         self.ranks = [
-            Rank(i, r, int(env["LOCAL_RANK"]) if "LOCAL_RANK" in env else None)
-            for i, (r, env) in enumerate(zip(plan.ranks, rank_envs, strict=True))
+            Rank(i, r, place.local_rank)
+            for i, (r, place) in enumerate(zip(plan.ranks, places, strict=True))
         ]
         #: The run now going on: its ranks, output, reports and watchdog marks (``_pump.py``),
         #: under ``policy``. A launch has one; a live session (``_live/_session.py``), which

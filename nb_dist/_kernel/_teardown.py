@@ -17,8 +17,8 @@ import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 
+from .._starter._parts import DRAIN_AFTER_EXIT
 from .._starter._processes import REAP_WITHIN
-from .._starter._run_parts import DRAIN_AFTER_EXIT
 from ._output import OutputRouter
 from ._pump import Pump
 from ._rank_handle import Rank

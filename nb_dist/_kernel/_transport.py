@@ -7,7 +7,8 @@ same three points, and nothing else in the kernel asks where the ranks run:
   kernel's state and its devices; a cluster: its placement and nodes, the function shipped
   by value), and :func:`prepare` applies ``_plan.plan_on``'s rules to that, for both;
 - :meth:`Transport.open` gives one attempt's ranks (or a live session's) their
-  environments, with the rendezvous store opened for them, and the ``RankHost`` the
+  environments and places (``_attempt_setup.Place``, decided there once per attempt), with
+  the rendezvous store opened for them, and the ``RankHost`` the
   kernel's own ``Supervisor`` starts and ends them through: the launch and ``nb_dist.Ranks``
   build that supervisor themselves, so the loop, the output, the diagnosis and the results
   are the same for every transport;
@@ -25,6 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
 from ._arguments import Asked, LaunchOptions, check_arguments
+from ._attempt_setup import Place
 from ._local import LocalTransport
 from ._plan import LaunchPlan, Where, plan_on
 
@@ -41,10 +43,13 @@ class Transport(Protocol):
         what ``"fork"`` becomes there); raises what refuses the launch."""
         ...
 
-    def open(self, plan: LaunchPlan, attempt: int) -> tuple[list[dict[str, str]], RankHost]:
+    def open(
+        self, plan: LaunchPlan, attempt: int
+    ) -> tuple[list[dict[str, str]], list[Place], RankHost]:
         """The ranks of ``attempt`` (0, then one more per restart; or a live session's):
-        each one's environment (the rendezvous store opened for them) and the host the
-        supervisor starts them through; the host's ``close`` frees what this opened."""
+        each one's environment (the rendezvous store opened for them) and its place (its
+        node's ranks, as written in that environment), and the host the supervisor starts
+        them through; the host's ``close`` frees what this opened."""
         ...
 
     def interrupted(self) -> None:
@@ -89,15 +94,15 @@ def open_supervised(
     transport: Transport,
     plan: LaunchPlan,
     attempt: int,
-    supervisor_for: Callable[[list[dict[str, str]], RankHost], _Supervisor],
+    supervisor_for: Callable[[list[dict[str, str]], list[Place], RankHost], _Supervisor],
 ) -> tuple[_Supervisor, int]:
-    """The ranks of ``attempt`` opened through ``transport`` (their environments, the store
-    opened) and the supervisor built over them (``supervisor_for(envs, host)``: a launch's,
-    or a live session's); the host is closed again if the supervisor cannot be built. The
-    supervisor, and the rendezvous port (0 where there is none)."""
-    envs, host = transport.open(plan, attempt)
+    """The ranks of ``attempt`` opened through ``transport`` (their environments and places,
+    the store opened) and the supervisor built over them (``supervisor_for(envs, places,
+    host)``: a launch's, or a live session's); the host is closed again if the supervisor
+    cannot be built. The supervisor, and the rendezvous port (0 where there is none)."""
+    envs, places, host = transport.open(plan, attempt)
     try:
-        supervisor = supervisor_for(envs, host)
+        supervisor = supervisor_for(envs, places, host)
     except BaseException:
         host.close()
         raise

@@ -146,7 +146,7 @@ class Ranks:
         # starts them and, when the session closes, frees what open() opened.
         supervisor, self._port = open_supervised(
             self._transport, plan, self.restarts,
-            lambda envs, host: SessionSupervisor(plan, envs, router, host),
+            lambda envs, places, host: SessionSupervisor(plan, envs, places, router, host),
         )  # fmt: skip
         supervisor.start()  # on failure it closes itself (its host too) and raises
         self._held.supervisor = supervisor

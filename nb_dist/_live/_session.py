@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from .._kernel import _diagnosis, _run_errors, _watchdogs
+from .._kernel._attempt_setup import Place
 from .._kernel._errors import LaunchInterrupted, LaunchTimeoutError, RankStatus, WorkerFailedError
 from .._kernel._observer import Observer
 from .._kernel._output import OutputRouter
@@ -180,11 +181,16 @@ class SessionSupervisor:
     """
 
     def __init__(
-        self, plan: LaunchPlan, envs: list[dict[str, str]], router: OutputRouter, host: RankHost
+        self,
+        plan: LaunchPlan,
+        envs: list[dict[str, str]],
+        places: list[Place],
+        router: OutputRouter,
+        host: RankHost,
     ) -> None:
         #: The supervisor loop that starts, reads, watches and stops the ranks; between
         #: tasks (and while they start) its run watches every rank under ``_BETWEEN``.
-        self.loop: TaskLoop = Supervisor(plan, envs, router, None, host, policy=_BETWEEN)
+        self.loop: TaskLoop = Supervisor(plan, envs, places, router, None, host, policy=_BETWEEN)
         #: What the ranks were planned as: whether a blocked rank can be freed in place
         #: depends on its debugging and backend (``_release``).
         self._plan = plan

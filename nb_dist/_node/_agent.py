@@ -36,7 +36,7 @@ from .._rank._spec import RankSpec
 from .._shared import _clock, _collectives, _cuda_touches
 from .._shared._protocol import COLLECTIVES_ENV
 from .._starter import _processes
-from .._starter._run_parts import (
+from .._starter._parts import (
     DRAIN_AFTER_EXIT,
     Gate,
     host_store,

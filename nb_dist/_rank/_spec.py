@@ -1,6 +1,6 @@
 """What the kernel hands each rank at its start: its spec and its pipes.
 
-Built in the kernel (``_kernel/_run_setup.rank_spec``, for every transport), read in the rank
+Built in the kernel (``_kernel/_attempt_setup.rank_spec``, for every transport), read in the rank
 (``_entry.py``); both are picklable, so a spawned or forkserver rank receives them too.
 """
 

@@ -1,7 +1,7 @@
 """Network facts both sides ask: whether a host is this machine's loopback, a process's sockets.
 
 The kernel asks :func:`is_loopback` to pin gloo to the loopback interface
-(``_kernel/_run_setup.py``); a rank asks it to tell whether the store it is told to join
+(``_kernel/_attempt_setup.py``); a rank asks it to tell whether the store it is told to join
 is the one the kernel hosts (``_rank/_rendezvous.py``). :func:`tcp_connections` lists a
 process's TCP sockets on every psutil the project supports (``_rank/_regroup.py``).
 """

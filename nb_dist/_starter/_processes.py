@@ -35,7 +35,7 @@ from typing import Any, Protocol
 from .._rank._entry import forkserver_main, run_rank
 from .._rank._spec import RankChannels, RankSpec
 from .._shared._frames import PACKAGE_DIR
-from ._run_parts import Gate, gated_start
+from ._parts import Gate, gated_start
 
 #: How long a killed rank may take to be reaped before it is reported and left behind (a
 #: process in uninterruptible sleep, e.g. a wedged driver or file system, ignores SIGKILL
@@ -129,7 +129,7 @@ def start_ranks(
 
     If a rank cannot start (or an interrupt arrives), ``kill_started()`` kills the ranks
     already started while they still wait at the gate, so none runs user code
-    (``_run_parts.gated_start``). The kernel (``_kernel/_local.start_all``) and a node's agent
+    (``_parts.gated_start``). The kernel (``_kernel/_local.start_all``) and a node's agent
     (``_node/_agent.NodeAgent.start``) both start their ranks this way; ``preload``: as for
     :func:`forkserver_context`.
     """

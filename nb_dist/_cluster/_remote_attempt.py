@@ -1,73 +1,96 @@
 """A launch's attempt on a cluster (or a live session there): its ranks on the gang's agents.
 
 Runs in the kernel. Where the ranks go was decided by ``RayCluster.decide``
-(``_ray_cluster.py``), which reserved the gang. :func:`open_ranks` opens the rendezvous
-store on rank 0's node and gives each rank the environment torchrun would give it there
-(``LOCAL_RANK``, ``NODE_RANK``, ``LOCAL_WORLD_SIZE`` by Ray node id; ``MASTER_ADDR`` the
-node's cluster address); the kernel's own ``Supervisor`` then runs over the forwarded pipes,
-its ranks hosted by the agents (:class:`ClusterHost`), for a launch's attempt and for live
-ranks alike. Nothing here calls back into the cluster object: a host whose run lost a node
-gives the gang back itself, and the cluster makes a new one at its next launch.
+(``_ray_cluster.py``), which reserved the gang. :func:`open_ranks` opens the attempt as a
+local one is opened, through ``_kernel/_attempt_setup.AttemptSetup`` (the scratch folder, the
+store, each rank's environment), with the cluster's two differences: the store is the run's
+on rank 0's node (:class:`RunStore`; ``MASTER_ADDR`` the node's cluster address) and each
+rank's place comes from the gang's layout (:func:`places_on`: ``LOCAL_RANK``, ``NODE_RANK``,
+``LOCAL_WORLD_SIZE`` by Ray node id, the node's id and gloo's interface there). The kernel's
+own ``Supervisor`` then runs over the forwarded pipes, its ranks hosted by the agents
+(:class:`ClusterHost`), for a launch's attempt and for live ranks alike. Nothing here calls
+back into the cluster object: a host whose run lost a node gives the gang back itself, and
+the cluster makes a new one at its next launch.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import weakref
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
 
+from .._kernel._attempt_setup import AttemptSetup, Place, rank_spec
 from .._kernel._plan import LaunchPlan
 from .._kernel._rank_handle import Rank
-from .._kernel._run_setup import rank_env, rank_spec
 from .._shared import _protocol
 from .._shared._protocol import COLLECTIVES_ENV
-from .._starter._run_parts import hold_out_of_forks, scratch_folder, widen
+from .._starter._parts import hold_out_of_forks, widen
 from ._forward import Forwarder, OnLost
-from ._gang import Gang
+from ._gang import Gang, Layout, Node
 
 
 def open_ranks(
     gang: Gang, plan: LaunchPlan, attempt: int
-) -> tuple[list[dict[str, str]], ClusterHost]:
-    """Attempt ``attempt``'s ranks on the gang (or a live session's): each rank's environment,
-    the store opened on rank 0's node, and the host that starts and ends them."""
-    run = gang.new_run()
-    folder = scratch_folder("nb_dist_cluster_")
-    try:
-        address, port = gang.open_store(run, plan.world_size)
-        envs = [cluster_env(plan, gang, r, address, port, attempt, folder) for r in plan.ranks]
-    except BaseException:
-        gang.end_run(run)  # the store, if it was opened
-        shutil.rmtree(folder, ignore_errors=True)
-        raise
-    return envs, ClusterHost(gang, run, folder, session=plan.session)
+) -> tuple[list[dict[str, str]], list[Place], ClusterHost]:
+    """Attempt ``attempt``'s ranks on the gang (or a live session's): each rank's environment
+    and place, the store opened on rank 0's node, and the host that starts and ends them
+    (all of it freed again if this fails)."""
+    run = RunStore(gang)
+    places = places_on(gang.layout, gang.nodes)
+    setup = AttemptSetup(plan, attempt, "nb_dist_cluster_", run, places)
+    return setup.envs, setup.places, ClusterHost(gang, run, setup, session=plan.session)
 
 
-def cluster_env(
-    plan: LaunchPlan, gang: Gang, rank: int, address: str, port: int, attempt: int, folder: str
-) -> dict[str, str]:
-    """Rank ``rank``'s environment: torchrun's, with its node's ranks, and its collective
-    counter's mirror in ``folder`` (the agent gives the rank a counter on its node). On a
-    cluster the kernel starts every rank, so a rank's index is its global rank."""
-    env = rank_env(plan, rank, port, attempt, folder)
-    lay = gang.layout
-    node = gang.nodes[lay.agent[rank]]
-    env.update(
-        LOCAL_RANK=str(lay.local_rank[rank]),
-        LOCAL_WORLD_SIZE=str(lay.local_world_size[rank]),
-        NPROC=str(lay.local_world_size[rank]),
-        NODE_RANK=str(lay.node_rank[rank]),
-        GROUP_RANK=str(lay.node_rank[rank]),
-        GROUP_WORLD_SIZE=str(lay.num_nodes),
-        MASTER_ADDR=address,
-        NB_DIST_NODE_ID=node.node_id,  # the rank's Ray node, for code that asks
-    )
-    env.pop("GLOO_SOCKET_IFNAME", None)
+def places_on(lay: Layout, nodes: Sequence[Node]) -> list[Place]:
+    """Each rank's place on the gang (on a cluster the kernel starts every rank, so a rank's
+    index is its global rank): its node's ranks by Ray node id (``lay``), its node's id, and
+    the interface gloo uses there (the caller's ``GLOO_SOCKET_IFNAME``, else the node's
+    cluster interface; ``None`` if neither: gloo's own choice)."""
     chosen = os.environ.get("GLOO_SOCKET_IFNAME")
-    if chosen or node.interface:
-        env["GLOO_SOCKET_IFNAME"] = chosen or node.interface or ""
-    return env
+    return [
+        Place(
+            lay.local_rank[rank],
+            lay.local_world_size[rank],
+            lay.node_rank[rank],
+            lay.num_nodes,
+            node_id=nodes[agent].node_id,
+            interface=chosen or nodes[agent].interface or None,
+        )
+        for rank, agent in enumerate(lay.agent)
+    ]
+
+
+class RunStore:
+    """One run on the gang's agents as its ``AttemptSetup``'s store host: the run's store on
+    rank 0's node (``Gang.open_store``), closed with the run, which :meth:`end` ends on the
+    agents once (``Gang.end_run``: its store closed, what is left of its ranks killed)."""
+
+    def __init__(self, gang: Gang) -> None:
+        self._gang = gang
+        #: The run's number: its store and its ranks carry it on the agents.
+        self.number = gang.new_run()
+        #: Ended on the agents (or by a start the gang refused, which ended it there).
+        self.ended = False
+
+    def open(self, world_size: int) -> tuple[str, int]:
+        return self._gang.open_store(self.number, world_size)
+
+    def end(self, forwarder: Forwarder | None = None) -> None:
+        """End the run on the agents, once: ``forwarder`` stopped first and the run ended on
+        each of its live agents; with none (no rank started), on the agent that may host
+        its store."""
+        if self.ended:
+            return
+        self.ended = True
+        if forwarder is not None:
+            forwarder.stop()
+            self._gang.end_run(self.number, forwarder.links)
+        else:
+            self._gang.end_run(self.number)
+
+    def close(self) -> None:
+        self.end()
 
 
 class ClusterHost:
@@ -78,11 +101,13 @@ class ClusterHost:
     the cluster replaces it at its next launch). A live session's host holds the gang until
     it closes."""
 
-    def __init__(self, gang: Gang, run: int, folder: str, session: bool = False) -> None:
+    def __init__(
+        self, gang: Gang, run: RunStore, setup: AttemptSetup, session: bool = False
+    ) -> None:
         self._gang, self._run = gang, run
         self._forwarder: Forwarder | None = None
-        self._run_ended = False
-        self._folder: str | None = folder
+        self._setup: AttemptSetup | None = setup
+        self._places = setup.places
         self._session = session
         if session:
             gang.hold(self)  # its agents run no launch until this session closes
@@ -98,7 +123,7 @@ class ClusterHost:
     ) -> Connection | None:
         lay = self._gang.layout
         specs = [
-            rank_spec(plan, index, envs[index], [], local_rank=lay.local_rank[index])
+            rank_spec(plan, index, self._places[index], envs[index], [])
             for index in range(plan.nprocs)
         ]
         theirs = [rank.open_pipes() for rank in ranks]
@@ -107,7 +132,7 @@ class ClusterHost:
         mirrors = [env.get(COLLECTIVES_ENV) for env in envs]
         try:
             self._forwarder, processes = self._gang.start(
-                self._run, plan.start_method, specs, theirs, mirrors,
+                self._run.number, plan.start_method, specs, theirs, mirrors,
                 lambda index: self._on_lost(ranks[index], index),
             )  # fmt: skip
             for index, (rank, process) in enumerate(zip(ranks, processes, strict=True)):
@@ -118,7 +143,8 @@ class ClusterHost:
                                *(c for ends in theirs for c in ends.values())])  # fmt: skip
         except BaseException:
             # A start the gang refused was ended on every agent there (Gang.start).
-            self._run_ended = self._forwarder is None
+            if self._forwarder is None:
+                self._run.ended = True
             for ends in theirs:
                 for conn in ends.values():
                     conn.close()
@@ -154,20 +180,15 @@ class ClusterHost:
         return lost
 
     def close(self) -> None:
-        """Stop the run's forwarder and end the run on every agent, remove the scratch folder,
-        let a session's gang go, and give a gang that lost a node back (once)."""
+        """Stop the run's forwarder and end the run on every agent (no rank started, the
+        start failed: the run's store still goes), close the attempt's setup (its scratch
+        folder), let a session's gang go, and give a gang that lost a node back (once)."""
         try:
-            if not self._run_ended:
-                self._run_ended = True
-                if self._forwarder is not None:
-                    self._forwarder.stop()
-                    self._gang.end_run(self._run, self._forwarder.links)
-                else:  # no rank started (the start failed): the run's store still goes
-                    self._gang.end_run(self._run)
+            self._run.end(self._forwarder)
         finally:
-            if self._folder is not None:
-                shutil.rmtree(self._folder, ignore_errors=True)
-                self._folder = None
+            if self._setup is not None:
+                self._setup.close()  # the run already ended: its folder
+                self._setup = None
                 self._gang.let_go(self)
                 if self.node_lost:
                     self._gang.close()  # given back; the cluster's next launch makes another
