@@ -30,7 +30,7 @@ from .._starter._run_parts import Gate, held_fds, hold_out_of_forks
 from . import _openmp, _ports, _preflight
 from ._arguments import Asked
 from ._plan import LaunchPlan, Where
-from ._rank_handle import Rank
+from ._rank_handle import Rank, kill_all
 from ._run_setup import RunSetup, rank_spec
 
 #: Builds one rank's spec from its local rank and the kernel-side fds it must close.
@@ -51,8 +51,7 @@ def start_all(method: str, ranks: list[Rank], spec_for: SpecFor) -> Connection:
         rank.attach(_processes.start_on_pipes(method, spec, theirs, gate, context))
 
     def kill_started() -> None:
-        for rank in ranks:
-            rank.kill()
+        kill_all(ranks)
 
     lifeline = _processes.start_ranks(method, len(ranks), start_one, kill_started)
     hold_out_of_forks([lifeline, *(c for rank in ranks for c in rank.kernel_ends())])
