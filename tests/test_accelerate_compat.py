@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -86,6 +87,17 @@ def test_unsafe_launch_is_also_a_value_error():
     """Accelerate raises ValueError for kernel states it refuses; so does nb_dist."""
     assert issubclass(UnsafeLaunchError, ValueError)
     assert issubclass(UnsafeLaunchError, RuntimeError)  # as before
+
+
+@pytest.fixture(autouse=True)
+def _signal_handlers_restored():
+    """accelerate.notebook_launcher runs torch's elastic agent in this process, whose
+    PContext installs SIGINT/SIGTERM handlers that raise and are never put back: Ctrl-C
+    would then fail whatever test runs next instead of stopping pytest."""
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
 
 
 def _environment(tag, folder):

@@ -266,7 +266,7 @@ def test_group_left_initialized_is_destroyed(tmp_path):
     ("precision", "dtype", "scaler"),
     [("bf16", torch.bfloat16, False), ("fp16", torch.float16, True), ("no", None, False)],
 )
-def test_mixed_precision_reaches_workers(precision, dtype, scaler):
+def test_mixed_precision_reaches_the_ranks(precision, dtype, scaler):
     """mixed_precision arrives as the env var, the nb_dist helpers and a real CPU autocast."""
     result = notebook_launcher(_precision_seen, num_processes=1, mixed_precision=precision)
     env, seen, autocast_dtype, needs_scaler, product_dtype = result[0]

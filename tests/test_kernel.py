@@ -256,7 +256,7 @@ def test_timeout_stacks_name_the_cell(module_kernel):
 # ----------------------------------------------------------------------------- interrupt
 @pytest.mark.fast
 @pytest.mark.timeout(60)
-def test_interrupt_stops_workers_and_leaves_the_kernel_clean(module_kernel, tmp_path):
+def test_interrupt_stops_the_ranks_and_leaves_the_kernel_clean(module_kernel, tmp_path):
     """Interrupting the kernel ends the cell with KeyboardInterrupt, the workers stopped and
     reaped by then, leaves env and signal handlers as they were, and the next launch works."""
     km, kc = module_kernel
@@ -308,7 +308,7 @@ def test_interrupt_stops_workers_and_leaves_the_kernel_clean(module_kernel, tmp_
 
 # ----------------------------------------------------------------------------- kernel death
 @pytest.mark.timeout(120)
-def test_killed_kernel_takes_its_workers_along(kernels, tmp_path):
+def test_killed_kernel_takes_its_ranks_along(kernels, tmp_path):
     """SIGKILL of the kernel kills its workers (long before their 60 s sleep ends); they never
     hold the kernel's ports, so a restarted kernel binds the same ports and launches again."""
     kernel = kernels(tmp_path / "kernel")

@@ -85,7 +85,7 @@ def _alive(pid: int) -> bool:
 # ----------------------------------------------------------------------------- interrupt
 @pytest.mark.fast
 @pytest.mark.timeout(90)
-def test_keyboard_interrupt_stops_workers_and_next_launch_works(tmp_path):
+def test_keyboard_interrupt_stops_the_ranks_and_next_launch_works(tmp_path):
     """SIGINT to the launching process: plain KeyboardInterrupt, the workers stopped and reaped
     before it reaches the caller (how fast is not timed here)."""
     proc, pids = _run_script(tmp_path, "fork")
@@ -124,7 +124,7 @@ def test_keyboard_interrupt_stops_workers_and_next_launch_works(tmp_path):
 @pytest.mark.fast
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
-def test_workers_die_with_the_launching_process(tmp_path, start_method):
+def test_ranks_die_with_the_launching_process(tmp_path, start_method):
     """SIGKILL of the launching process takes its workers down (no orphans): they are gone
     long before their 60 s sleep would end."""
     proc, pids = _run_script(tmp_path, start_method)
@@ -150,7 +150,7 @@ def _start_grandchild():
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("start_method", ["fork", "spawn"])
-def test_processes_started_by_workers_are_cleaned_up(start_method):
+def test_processes_started_by_ranks_are_cleaned_up(start_method):
     """A subprocess a worker leaves running (sleep 60) is killed with the worker's group."""
     result = notebook_launcher(_start_grandchild, num_processes=2, start_method=start_method)
     sleep_pids = [sleep_pid for sleep_pid, _ in result]

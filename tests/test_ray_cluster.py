@@ -500,13 +500,12 @@ def _returns_megabytes(mb):
 def test_every_rank_returning_64_mb_at_once_arrives_whole(cluster):
     """Both ranks' values cross at once: the forwarder never waits on one rank's full pipe
     while the other's bytes wait, and the kernel reads each value as its bytes arrive."""
-    began = time.monotonic()
+    # A forwarder that waited on one rank's pipe would never finish: the launch's timeout
+    # ends it (how fast values cross is measured in bench/ray_cluster.py).
     result = nb_dist.notebook_launcher(_returns_megabytes, (64,), num_processes=2,
                                        cluster=cluster, timeout=150)  # fmt: skip
-    took = time.monotonic() - began
     for rank, value in enumerate(result):
         assert value.shape == (64 * 262144,) and bool((value == rank).all())
-    assert took < 150, took  # the launch's own timeout would have said so
 
 
 class _Unpicklable:
@@ -686,7 +685,7 @@ def test_resources_held_by_others_are_refused_within_the_placement_timeout(ray_c
         began = time.monotonic()
         with pytest.raises(ClusterError) as caught:
             nb_dist.notebook_launcher(_warm, (1,), num_processes=2, cluster=busy)
-        assert time.monotonic() - began < 10
+        assert time.monotonic() - began < 5 * 1.0  # 5x placement_timeout
         text = str(caught.value)
         assert "did not place this launch within 1 s" in text, text
         assert "only 1 CPU is free now" in text, text

@@ -96,3 +96,32 @@ def test_a_forkserver_rank_that_cannot_be_reaped_is_reported_like_a_forked_one(s
     rank = _processes._FromForkserver(_UnreportedServerChild(sleeper.pid))
     assert rank.kill_and_reap() == -signal.SIGKILL
     assert f"rank process {sleeper.pid} did not end within 5 s" in capsys.readouterr().err
+
+
+class _SlowServerChild(_UnreportedServerChild):
+    """As above, and its ``join`` takes all the time it is given (a server that never says)."""
+
+    def join(self, timeout: float | None = None) -> None:
+        time.sleep(timeout or 0.0)
+
+
+def test_ending_several_ranks_that_cannot_be_reaped_waits_one_deadline(monkeypatch, capsys):
+    """``end_all`` kills every group first, then gives each rank what is left of one shared
+    deadline: three ranks that never report cost REAP_WITHIN once, not three times."""
+    monkeypatch.setattr(_processes, "REAP_WITHIN", 0.5)
+    children = [subprocess.Popen(["sleep", "60"]) for _ in range(3)]
+    try:
+        ranks = [_processes._FromForkserver(_SlowServerChild(c.pid)) for c in children]
+        began = time.monotonic()
+        codes = _processes.end_all(ranks)
+        took = time.monotonic() - began
+        assert codes == [-signal.SIGKILL] * 3
+        assert took < 2 * 0.5, took  # per rank in turn it would take 1.5 s
+        # Every group was killed before the first wait: all three are gone now.
+        assert [c.wait(timeout=5) for c in children] == [-signal.SIGKILL] * 3
+        assert capsys.readouterr().err.count("did not end within") == 3
+    finally:
+        for child in children:
+            if child.returncode is None:
+                child.kill()
+                child.wait()

@@ -110,8 +110,9 @@ def notebook_launcher(
         rendezvous_timeout: once one rank reaches ``init_process_group``, how many seconds the
             others have to join before the launch is stopped with a report of who is missing
             and where every rank is (:class:`~nb_dist.RendezvousTimeoutError`). ``"auto"``:
-            20 s on one machine, 300 s with ``num_nodes > 1`` (the other machines' cells may
-            start later). ``None``: wait as long as torch does (30 minutes).
+            20 s on one machine, 120 s on a Ray cluster (``cluster=``: its node agents start
+            every rank), 300 s with ``num_nodes > 1`` (the other machines' cells may start
+            later). ``None``: wait as long as torch does (30 minutes).
         warm_imports: after a fork launch, import in the kernel (in the background) the
             torch modules its ranks had to import, so that later launches inherit them: a
             re-run DDP cell then starts in a fraction of a second instead of re-importing

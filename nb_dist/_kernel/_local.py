@@ -35,7 +35,7 @@ from . import _openmp, _ports, _preflight
 from ._arguments import Asked
 from ._attempt_setup import AttemptSetup, Place, rank_spec
 from ._plan import LaunchPlan, Where
-from ._rank_handle import Rank
+from ._rank_handle import Rank, kill_all
 
 #: Builds one rank's spec from its local rank and the kernel-side fds it must close.
 SpecFor = Callable[[int, list[int]], RankSpec]
@@ -55,8 +55,7 @@ def start_all(method: str, ranks: list[Rank], spec_for: SpecFor) -> Connection:
         rank.attach(_processes.start_on_pipes(method, spec, theirs, gate, context))
 
     def kill_started() -> None:
-        for rank in ranks:
-            rank.kill()
+        kill_all(ranks)
 
     lifeline = _processes.start_ranks(method, len(ranks), start_one, kill_started)
     hold_out_of_forks([lifeline, *(c for rank in ranks for c in rank.kernel_ends())])

@@ -1,15 +1,16 @@
 """The launch plan: what the caller asked (``_arguments.Asked``) on where the ranks go.
 
-A transport says where a launch's ranks go (:class:`Where`: this machine's devices, or a
-cluster's nodes), and :func:`plan_on` applies the rules every transport shares, in one place,
-into one frozen :class:`LaunchPlan` of plain data (``_transport.prepare`` runs the three
-steps in order):
+``_transport.prepare`` runs three steps in order: the arguments are checked
+(``_arguments.check_arguments``); the transport says where the ranks go (:class:`Where`,
+from ``Transport.decide``: on this machine the kernel's state and its devices, counted by a
+throw-away child without touching CUDA in the kernel, which decides ``num_processes=None``;
+on a cluster its nodes); and :func:`plan_on` applies, in one place, the rules every transport
+shares into one frozen :class:`LaunchPlan` of plain data:
 
-4. the kernel's state: a process group, Accelerate state (this machine's transport);
-5. devices: a throw-away child counts GPUs and tells whether CUDA already poisoned fork
-   (this decides ``num_processes=None``), without touching CUDA in the kernel;
-6. threads that fork can give (the kernel's OpenMP pool, see ``_openmp.py``);
-7. for spawn/forkserver, shipping the function by value (cloudpickle).
+- the start method ``"fork"`` becomes where it cannot be used;
+- threads per rank (what fork can give: the kernel's OpenMP pool, see ``_openmp.py``);
+- the ``"auto"`` rendezvous timeout (:func:`auto_rendezvous`);
+- for spawn/forkserver, shipping the function by value (cloudpickle).
 
 The plan then says everything an attempt needs: ranks, devices, backend, threads, timeouts,
 output modes, the function (or its bytes). Each rank's environment (a superset of

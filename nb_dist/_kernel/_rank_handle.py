@@ -17,7 +17,7 @@ from typing import Any
 from .._shared import _collectives, _protocol, _values
 from .._shared._reporting import ReportEntry, Reports
 from .._starter._parts import open_rank_pipes
-from .._starter._processes import REAP_WITHIN, RankProcess, reap_by, signal_name
+from .._starter._processes import RankProcess, end_all, signal_name
 from ._diagnosis import Frame, RendezvousView, StuckRank, ended_without_value
 from ._errors import RankOutcome, RankStatus
 from ._output import LineSplitter, OutputRouter
@@ -123,17 +123,10 @@ class Rank:
         self.outcome.pid = process.pid
         self.clock_offset = clock_offset
 
-    def kill(self, stop: bool = True, by: float | None = None) -> None:
+    def kill(self, stop: bool = True) -> None:
         """Kill and reap the rank's process if it still runs (``stop``: as the kernel's own
-        stop, not a failure of the rank), noting its exit code and when it ended; ``by``:
-        the deadline (``time.monotonic``) of a teardown of several ranks."""
-        if not self.alive or self.process is None:
-            return
-        if stop:
-            self.request_stop()
-        within = REAP_WITHIN if by is None else reap_by(by)
-        self.returncode = self.process.kill_and_reap(within)
-        self.exited_at = time.monotonic()
+        stop, not a failure of the rank), noting its exit code and when it ended."""
+        kill_all([self], stop)
 
     def note_exit(self, code: int, now: float) -> None:
         """The process ended by itself with ``code``; ``now`` when the kernel saw it, its
@@ -244,12 +237,13 @@ class Rank:
             router.lines(self.index, kind, self.splitters[kind].feed(data))
         return True
 
-    def drain_streams(self, router: OutputRouter, within: float = 0.5) -> None:
-        """Read what already waits in the output pipes, without waiting for more (at most
-        ``within`` s: a grandchild may keep writing). A rank whose control pipe closed is
-        finished while up to a pipe's worth of its last output may still be unread (on a
-        cluster, the forwarder writes a rank's last bytes just before its exit is noted)."""
-        deadline = time.monotonic() + within
+    def drain_streams(self, router: OutputRouter, by: float) -> None:
+        """Read what already waits in the output pipes, without waiting for more (until the
+        deadline ``by``, ``time.monotonic``, shared by every rank of a teardown: a grandchild
+        may keep writing). A rank whose control pipe closed is finished while up to a pipe's
+        worth of its last output may still be unread (on a cluster, the forwarder writes a
+        rank's last bytes just before its exit is noted)."""
+        deadline = by
         for kind in ("stdout", "stderr", "stack"):
             reader = self.pipes.get(kind)
             while (
@@ -406,3 +400,17 @@ class Rank:
             state=state,
             frames=tuple(frames) if frames is not None else None,
         )
+
+
+def kill_all(ranks: list[Rank], stop: bool = True) -> None:
+    """Kill and reap every rank in ``ranks`` that still runs, all groups at once and reaped by
+    one deadline (``_processes.end_all``), noting each exit code and when it ended; ``stop``:
+    the kernel's own stop, not a failure of the ranks."""
+    live = [rank for rank in ranks if rank.alive and rank.process is not None]
+    if stop:
+        for rank in live:
+            rank.request_stop()
+    codes = end_all([rank.process for rank in live if rank.process is not None])
+    now = time.monotonic()
+    for rank, code in zip(live, codes, strict=True):
+        rank.returncode, rank.exited_at = code, now

@@ -121,20 +121,10 @@ class Supervisor:
         self.held: Rank | None = None
         self._post_mortem_given = False  # the held rank went to the error's PostMortem
 
-    def begin_run(
-        self,
-        ranks: list[Rank],
-        router: OutputRouter,
-        policy: Policy,
-        reports: Reports | None = None,
-        observer: Observer | None = None,
-    ) -> Run:
-        """Start a fresh run over ``ranks`` (a live session's next task, or its time between
-        tasks): nothing the last run collected or noticed carries over but ``reports``."""
-        self.current = Run(
-            ranks, router, observer, reports if reports is not None else Reports(), policy
-        )
-        return self.current
+    def begin_run(self, run: Run) -> None:
+        """Go on with a fresh ``run`` (a live session's next task, or its time between tasks):
+        nothing the last run collected or noticed carries over but what ``run`` was given."""
+        self.current = run
 
     def start_and_watch(self) -> None:
         """Start every rank and read them until the run ends (raising the timeout's error if

@@ -18,13 +18,15 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 
 from .._starter._parts import DRAIN_AFTER_EXIT
-from .._starter._processes import REAP_WITHIN
 from ._output import OutputRouter
 from ._pump import Pump
-from ._rank_handle import Rank
+from ._rank_handle import Rank, kill_all
 
 # How long a stopped rank gets between SIGTERM and SIGKILL; keeps "stopped within 1 s".
 STOP_GRACE = 0.4
+# How long the last lines still waiting in the ranks' pipes are read at the end, all ranks
+# together (a grandchild may keep writing into a pipe for ever).
+LAST_LINES_WITHIN = 0.5
 
 #: The loop's ``read_until(done, seconds)``: read the pipes and notice ended ranks until
 #: ``done()`` or ``seconds`` pass; whether done.
@@ -55,17 +57,13 @@ def drain_and_reap(
     ``REAP_WITHIN`` at most, however many ranks are stuck), ``finalize`` deciding the outcome
     of each still unfinished. Then write every rank's last lines, so nothing is lost."""
     if not read_until(lambda: all(rank.finished for rank in ranks), DRAIN_AFTER_EXIT + STOP_GRACE):
+        kill_all(ranks)
         for rank in ranks:
-            if rank.alive and rank.process is not None:
-                rank.request_stop()
-                rank.process.send_signal(signal.SIGKILL)
-        deadline = time.monotonic() + REAP_WITHIN
-        for rank in ranks:
-            rank.kill(by=deadline)
             if not rank.finished:
                 finalize(rank)
+    drained_by = time.monotonic() + LAST_LINES_WITHIN  # for all ranks together
     for rank in ranks:
-        rank.drain_streams(router)  # its last lines, if still in the pipe
+        rank.drain_streams(router, drained_by)  # its last lines, if still in the pipe
         for kind, splitter in rank.splitters.items():
             router.lines(rank.index, kind, splitter.flush())
 

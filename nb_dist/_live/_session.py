@@ -41,11 +41,10 @@ from .._kernel._observer import Observer
 from .._kernel._output import OutputRouter
 from .._kernel._plan import LaunchPlan
 from .._kernel._pump import Policy, Run
-from .._kernel._rank_handle import Rank
+from .._kernel._rank_handle import Rank, kill_all
 from .._kernel._supervisor import RankHost, RunResult, Supervisor
 from .._rank import _regroup
 from .._shared import _collectives, _protocol, _shipping
-from .._shared._reporting import Reports
 from .._starter._processes import signal_name
 
 _log = logging.getLogger(__name__)
@@ -88,15 +87,8 @@ class TaskLoop(Protocol):
         """The run now going on (a task's, or the time between tasks)."""
         ...
 
-    def begin_run(
-        self,
-        ranks: list[Rank],
-        router: OutputRouter,
-        policy: Policy,
-        reports: Reports | None = None,
-        observer: Observer | None = None,
-    ) -> Run:
-        """A fresh run over ``ranks``: nothing carries over but ``reports``."""
+    def begin_run(self, run: Run) -> None:
+        """Go on with a fresh ``run`` (a task's, or the time between tasks)."""
         ...
 
     def start_and_watch(self) -> None:
@@ -228,7 +220,7 @@ class SessionSupervisor:
         observer: Observer | None = None,
     ) -> None:
         """A fresh run of the loop (and fresh marks) over ``ranks``; the reports carry on."""
-        self.loop.begin_run(ranks, router, policy, self._reports, observer)
+        self.loop.begin_run(Run(ranks, router, observer, self._reports, policy))
         self._marks = _TaskMarks()
 
     def close(self) -> None:
@@ -241,8 +233,7 @@ class SessionSupervisor:
                 rank.commands.close()  # EOF: the rank's loop ends
         self._begin(self.ranks, self.current.router, _BETWEEN)
         self.loop.read_until(lambda: not any(rank.alive for rank in self.ranks), CLOSE_GRACE)
-        for rank in self.ranks:
-            rank.kill()
+        kill_all(self.ranks)
         self.loop.close()
 
     @property

@@ -279,13 +279,11 @@ class NodeAgent:
         if self._reader is not None:
             self._reader.join(timeout=2.0)
             self._reader = None
-        for local in self._ranks:  # every group killed at once, then reaped by one deadline
-            with local.lock:
-                local.process.send_signal(signal.SIGKILL)
-        deadline = time.monotonic() + _processes.REAP_WITHIN
+        with contextlib.ExitStack() as held:
+            for local in self._ranks:
+                held.enter_context(local.lock)
+            _processes.end_all([local.process for local in self._ranks])
         for local in self._ranks:
-            with local.lock:
-                local.process.kill_and_reap(_processes.reap_by(deadline))
             for conn in (*local.readers.values(), local.commands):
                 conn.close()
         self._ranks = []
@@ -407,7 +405,12 @@ def _plain_main() -> Iterator[None]:
 
     multiprocessing tells a forkserver (or spawn) child to import the parent's ``__main__``
     as ``__mp_main__``; in an agent that is ``ray/_private/workers/default_worker.py``, whose
-    import costs each rank seconds and whose code has no business in a rank."""
+    import costs each rank seconds and whose code has no business in a rank.
+
+    The swap is process-wide, and safe: Ray ran that script once, at the worker's start, and
+    nothing in an agent reads ``__main__`` afterwards but multiprocessing's start (what Ray
+    sends an agent's methods is nb_dist's own types and bytes, never pickled by reference to
+    ``__main__``)."""
     global _main_holders, _real_main
     with _main_lock:
         if _main_holders == 0:

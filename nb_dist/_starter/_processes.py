@@ -313,6 +313,16 @@ def reap_by(deadline: float) -> float:
     return max(0.0, deadline - time.monotonic())
 
 
+def end_all(processes: list[RankProcess]) -> list[int]:
+    """Kill every rank's process group at once, then reap each by one shared deadline: their
+    exit codes. Ending N ranks that will not die waits ``REAP_WITHIN`` at most, not N times
+    that (the kernel's teardown, a session's close, a failed start, a node agent's end)."""
+    for process in processes:
+        process.send_signal(signal.SIGKILL)
+    deadline = time.monotonic() + REAP_WITHIN
+    return [process.kill_and_reap(reap_by(deadline)) for process in processes]
+
+
 def reap_within(pid: int, within: float | None) -> int | None:
     """Reap child ``pid``: its exit code; ``None`` if it still runs after ``within`` s
     (``None``: wait as long as it takes)."""

@@ -247,6 +247,26 @@ def wait_for_exit(pids: set[int], within: float) -> None:
     psutil.wait_procs(procs, timeout=within)
 
 
+def kernel_ranks(lab: LabServer) -> list[psutil.Process]:
+    """The live child processes of the server's only kernel: a launch's ranks."""
+    kernels = [
+        p
+        for p in psutil.Process(lab.process.pid).children()
+        if "ipykernel_launcher" in " ".join(p.cmdline())
+    ]
+    assert len(kernels) == 1, f"expected one kernel, found {kernels}"
+    return [p for p in kernels[0].children() if p.status() != psutil.STATUS_ZOMBIE]
+
+
+def wait_for_no_ranks(lab: LabServer, within: float) -> None:
+    """Wait until the kernel has no rank processes left."""
+    deadline = time.monotonic() + within
+    while kernel_ranks(lab):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"ranks still alive {within} s later: {kernel_ranks(lab)}")
+        time.sleep(0.1)
+
+
 # --------------------------------------------------------------------------- the page
 def open_notebook(page: Page, server: LabServer, name: str, within: float = 120) -> Locator:
     """Open ``name`` in a reset workspace; return its panel once its kernel is idle."""

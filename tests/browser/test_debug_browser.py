@@ -14,9 +14,17 @@ import time
 from pathlib import Path
 
 import nbformat
-import psutil
 import pytest
-from lab_helpers import LabServer, code_cell, open_notebook, output_text, screenshot, wait_for_text
+from lab_helpers import (
+    LabServer,
+    code_cell,
+    kernel_ranks,
+    open_notebook,
+    output_text,
+    screenshot,
+    wait_for_no_ranks,
+    wait_for_text,
+)
 from playwright.sync_api import Locator, Page
 
 pytestmark = pytest.mark.browser
@@ -89,25 +97,6 @@ def answer(cell: Locator, command: str, within: float = 60) -> None:
     box.press("Enter")
 
 
-def kernel_children(lab: LabServer) -> list[psutil.Process]:
-    """The live child processes of the server's only kernel (a launch's workers)."""
-    kernels = [
-        p
-        for p in psutil.Process(lab.process.pid).children()
-        if "ipykernel_launcher" in " ".join(p.cmdline())
-    ]
-    assert len(kernels) == 1, f"expected one kernel, found {kernels}"
-    return [p for p in kernels[0].children() if p.status() != psutil.STATUS_ZOMBIE]
-
-
-def wait_for_no_workers(lab: LabServer, within: float) -> None:
-    deadline = time.monotonic() + within
-    while kernel_children(lab):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"workers still alive {within} s later: {kernel_children(lab)}")
-        time.sleep(0.1)
-
-
 @pytest.mark.timeout(300)
 def test_breakpoint_prompt_in_the_input_box(lab: LabServer, page: Page, screenshots_dir: Path):
     """pdb's prompt of rank 1 appears in JupyterLab's input box; typed commands are answered."""
@@ -123,7 +112,7 @@ def test_breakpoint_prompt_in_the_input_box(lab: LabServer, page: Page, screensh
     text = output_text(launch)
     assert "rank 1 paused; c goes on, q stops the function" in text, text
     assert "nb_dist.breakpoint(rank=1)" in text, text  # pdb's listing around the line
-    assert len(kernel_children(lab)) == 2, "both ranks should be alive while rank 1 is paused"
+    assert len(kernel_ranks(lab)) == 2, "both ranks should be alive while rank 1 is paused"
 
     answer(launch, "p secret")
     wait_for_text(outputs, "{'rank': 1, 'token': 49}", 60)
@@ -137,4 +126,4 @@ def test_breakpoint_prompt_in_the_input_box(lab: LabServer, page: Page, screensh
     text = wait_for_text(outputs, re.compile(r"results: \[91, 91\]"), 120)
     assert "Traceback" not in text and "Error" not in text, text
     assert not launch.locator(LIVE_STDIN).count(), "an input box is still open after the launch"
-    wait_for_no_workers(lab, within=10)
+    wait_for_no_ranks(lab, within=10)

@@ -15,7 +15,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import nbformat
-import psutil
 import pytest
 from lab_helpers import (
     NOTEBOOKS,
@@ -27,12 +26,14 @@ from lab_helpers import (
     code_cell,
     code_cells,
     error_outputs,
+    kernel_ranks,
     open_notebook,
     output_text,
     run_all_cells,
     screenshot,
     stored_widget_cells,
     toolbar_button,
+    wait_for_no_ranks,
     wait_for_text,
     wait_for_widget,
     wait_until_all_executed,
@@ -304,26 +305,6 @@ def write_monitor_notebook(path: Path) -> None:
     nbformat.write(nb, path)
 
 
-def launch_workers(lab: LabServer) -> list[psutil.Process]:
-    """The live children of the server's only kernel (the launch's workers)."""
-    kernels = [
-        p
-        for p in psutil.Process(lab.process.pid).children()
-        if "ipykernel_launcher" in " ".join(p.cmdline())
-    ]
-    assert len(kernels) == 1, f"expected one kernel, found {kernels}"
-    return [p for p in kernels[0].children() if p.status() != psutil.STATUS_ZOMBIE]
-
-
-def wait_for_no_workers(lab: LabServer, within: float) -> None:
-    """Wait until the kernel has no worker processes left."""
-    deadline = time.monotonic() + within
-    while launch_workers(lab):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"workers still alive {within} s later: {launch_workers(lab)}")
-        time.sleep(0.1)
-
-
 def wait_for_progress(row: Locator, at_least: int, within: float) -> None:
     """Wait until a monitor row shows ``running ... training N/total`` with N >= ``at_least``."""
     pattern = re.compile(rf"running · [\d.]+ s · training (\d+)/{MONITOR_STEPS}")
@@ -357,7 +338,7 @@ def test_monitor_and_toolbar_interrupt(lab: LabServer, page: Page, screenshots_d
     plot.wait_for(state="visible", timeout=30_000)
     assert_not_upscaled(plot)
     screenshot(monitor, screenshots_dir, "live_monitor.png")
-    assert len(launch_workers(lab)) == 2
+    assert len(kernel_ranks(lab)) == 2
 
     interrupt = toolbar_button(page, "notebook:interrupt-kernel")
     assert interrupt.get_attribute("title") == "Interrupt the kernel"
@@ -372,7 +353,7 @@ def test_monitor_and_toolbar_interrupt(lab: LabServer, page: Page, screenshots_d
     for row in rows:
         row.and_(page.locator(".nb-dist-status-stopped")).wait_for(timeout=30_000)
         wait_for_text(row, re.compile(r"stopped · [\d.]+ s"), 10)
-    wait_for_no_workers(lab, within=10)
+    wait_for_no_ranks(lab, within=10)
     screenshot(launch, screenshots_dir, "monitor_interrupted.png", margin=4)
 
     after = code_cell(page, "after = notebook_launcher(quick")
