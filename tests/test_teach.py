@@ -581,14 +581,16 @@ def test_the_reference_implementations_are_the_exercises_answers():
     # a DTensor plan of separate q, k, v: 6 tp all-reduces per layer, not 4
     unfused = reference.plan_costs(block, {"pp": 1, "dp": 2, "cp": 1, "tp": 2}, fused_qkv=False)
     assert unfused["traffic"] == 3 * 4 * 3072 / 2 + 6 * 2 * 4 * 2 * 8 * 16
-    # cp: notebook 18's ring keeps cp score blocks, a·b·(s/cp)·s of them (÷ tp), not one block
+    # cp: notebook 18's ring keeps cp score blocks, a·b·(s/cp)·s of them (÷ tp), not one block,
+    # and every K/V block it received: 2·b·s·h values (÷ tp), of which s/cp are counted already
     cp_tp = reference.plan_costs(block, {"pp": 1, "dp": 1, "cp": 2, "tp": 2})
     scores = 4 * 4 * 2 * (8 // 2) * 8 / 2
     assert scores == reference.ring_score_bytes(2, 2, 4, 8) / 2
+    received = 4 * 2 * 2 * (8 - 8 // 2) * 16 / 2  # the other rank's K and V, fp32, ÷ tp
     no_scores = reference.tp_block_activations(2, 4, 16, 0, 2)  # a = 0: all but the scores
-    assert cp_tp["memory"] == 16 * 3072 / 4 + no_scores + scores
+    assert cp_tp["memory"] == 16 * 3072 / 4 + no_scores + scores + received
     one_block = 16 * 3072 / 4 + reference.tp_block_activations(2, 4, 16, 4, 2)
-    assert cp_tp["memory"] - one_block == 4 * 4 * 2 * 4 * (8 - 4) / 2
+    assert cp_tp["memory"] - one_block == 4 * 4 * 2 * 4 * (8 - 4) / 2 + received
     # notebook 19, exercise 19-1 (the capacity) and the single-process layer after it
     keep = reference.moe_keep_within_capacity(torch.tensor([0, 0, 1, 0, 1, 0]), 2, 2)
     assert keep.tolist() == [True, True, True, False, True, False]

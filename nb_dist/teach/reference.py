@@ -286,7 +286,10 @@ def plan_costs(
     hand-written ring attention keeps, in training, the ``cp`` score blocks of its queries
     (:func:`ring_score_bytes`: ``a·b·(s/cp)·s`` values, ``1/cp`` of the score matrix, not one
     ``(s/cp)²`` block), ``1/tp`` of them per tp rank (a fused, recomputing kernel such as
-    FlashAttention keeps none, which the plan does not count); traffic in notebook 15's units:
+    FlashAttention keeps none, which the plan does not count), and, as notebook 18 measured,
+    every K/V block the ring received (the whole ``K`` and ``V``, ``2·b·s·h`` values, ``1/tp``
+    of them per tp rank), of which :func:`tp_block_activations` counts only the rank's own
+    ``1/cp``: ``4·2·b·s·h·(1 - 1/cp)/tp`` bytes more per block; traffic in notebook 15's units:
     FSDP's two all-gathers and one reduce-scatter of the stage's tp shard, the tp all-reduces
     of one ``(b, s/cp, h)`` activation per layer and microbatch (4 with ``q``, ``k`` and ``v``
     fused into one linear, as Megatron-LM does; 6 with ``fused_qkv=False``, three separate
@@ -300,6 +303,7 @@ def plan_costs(
     in_flight = min(pp, m)
     block = tp_block_activations(b, s // cp, h, 0, tp)  # a = 0: every term but the scores
     block += ring_score_bytes(cp, b, a, s) / tp  # the ring's cp blocks of (s/cp)² scores
+    block += 4 * 2 * b * s * h * (1 - 1 / cp) / tp  # the K/V blocks received, kept for backward
     activations = layers / pp * in_flight * block
     activation = 4 * b * s / cp * h  # one (b, s/cp, h) tensor in fp32
     traffic = 0.0
