@@ -355,3 +355,53 @@ def test_the_stand_in_main_of_overlapping_starts_gives_back_the_real_one():
         thread.join(10)
         assert sys.modules["__main__"] is not real  # the other start is still inside
     assert sys.modules["__main__"] is real
+
+
+class _HungAgentRay:
+    """What a link asks of Ray, for an agent that answers signals at once and never answers
+    a kill-and-reap: ``get`` then waits out its timeout, as Ray's does."""
+
+    class exceptions:
+        class RayActorError(Exception):
+            pass
+
+        class GetTimeoutError(Exception):
+            pass
+
+    class _Method:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def remote(self, *args: object) -> str:
+            return self.name
+
+    class actor:
+        def __getattr__(self, name: str) -> object:
+            return _HungAgentRay._Method(name)
+
+    def get(self, ref: str, timeout: float) -> object:
+        if ref == "signal":
+            return True
+        time.sleep(timeout)
+        raise self.exceptions.GetTimeoutError(f"{ref}: no answer within {timeout} s")
+
+
+def test_a_hung_agent_costs_a_teardown_its_deadline_not_the_call_limit(monkeypatch):
+    """Ending the ranks of an agent that never answers waits what is left of the teardown's
+    deadline and a round trip, not ``CALL_LIMIT`` (30 s); the agent is then taken for lost,
+    so its other ranks end at once."""
+    from nb_dist._cluster import _forward
+    from nb_dist._cluster._forward import RemoteProcess
+    from nb_dist._starter import _processes
+
+    monkeypatch.setattr(_processes, "REAP_WITHIN", 0.3)
+    monkeypatch.setattr(_forward, "ANSWER_MARGIN", 0.2)
+    ray = _HungAgentRay()
+    link = AgentLink(ray=ray, actor=ray.actor(), run=1, where="node-b")
+    ranks = [RemoteProcess(link, i, 100 + i, lambda reason, at: None) for i in range(2)]
+    began = time.monotonic()
+    codes = _processes.end_all(ranks)  # type: ignore[arg-type]
+    took = time.monotonic() - began
+    assert took < 2.0, took  # CALL_LIMIT would be 30 s
+    assert codes == [-9, -9]
+    assert link.lost is not None  # the agent counts as gone: its node is lost

@@ -1,4 +1,4 @@
-"""Every wait in a teardown has a deadline: a worker that cannot be reaped is reported
+"""Every wait in a teardown has a deadline: a rank that cannot be reaped is reported
 (its pid and state) and left behind, never waited for for ever (``_starter/_processes.py``).
 
 A process in uninterruptible sleep (a wedged driver or file system) ignores SIGKILL until its
@@ -47,7 +47,7 @@ def test_a_pid_that_is_not_a_child_is_not_waited_for():
     assert reap_within(1, None) == _processes._GONE  # init is nobody's child
 
 
-def test_an_unreaped_worker_is_reported_with_its_pid_and_state(sleeper, capsys, caplog):
+def test_an_unreaped_rank_is_reported_with_its_pid_and_state(sleeper, capsys, caplog):
     text = report_unreaped(sleeper.pid, 5.0)
     err = capsys.readouterr().err
     assert text in err  # in the cell (stderr), not only in a log
@@ -57,28 +57,28 @@ def test_an_unreaped_worker_is_reported_with_its_pid_and_state(sleeper, capsys, 
                for r in caplog.records)  # fmt: skip
 
 
-def test_kill_and_reap_of_a_forked_worker_returns_its_signal(sleeper):
-    worker = _processes.spawned(sleeper)
-    assert worker.kill_and_reap() == -signal.SIGKILL
+def test_kill_and_reap_of_a_forked_rank_returns_its_signal(sleeper):
+    rank = _processes.spawned(sleeper)
+    assert rank.kill_and_reap() == -signal.SIGKILL
     assert sleeper.returncode == -signal.SIGKILL  # Popen knows: it will not wait again
 
 
-def test_an_ended_worker_keeps_its_exit_code_and_is_never_signalled_again():
+def test_an_ended_rank_keeps_its_exit_code_and_is_never_signalled_again():
     # A node's agent asks for the exit code on every read until the rank's pipes are drained:
     # once reaped, the answer must stay the rank's own code (it read as SIGKILL before), and
     # the pid, free for the system to reuse, must never be signalled or waited for again.
     child = subprocess.Popen(["sh", "-c", "exit 3"])
-    worker = _processes.spawned(child)
+    rank = _processes.spawned(child)
     deadline = time.monotonic() + 30
-    while (code := worker.exit_code()) is None:
+    while (code := rank.exit_code()) is None:
         assert time.monotonic() < deadline, "sh -c 'exit 3' never ended"
         time.sleep(0.005)
     assert code == 3
-    assert [worker.exit_code(), worker.exit_code()] == [3, 3]
-    assert worker.kill_and_reap() == 3  # not SIGKILL: it had ended on its own
-    worker.send_signal(signal.SIGTERM)  # a no-op now, not a signal to a reused pid
+    assert [rank.exit_code(), rank.exit_code()] == [3, 3]
+    assert rank.kill_and_reap() == 3  # not SIGKILL: it had ended on its own
+    rank.send_signal(signal.SIGTERM)  # a no-op now, not a signal to a reused pid
     with pytest.raises(ProcessLookupError):
-        worker.signal_leader(signal.SIGUSR1)
+        rank.signal_leader(signal.SIGUSR1)
 
 
 class _UnreportedServerChild:

@@ -43,6 +43,9 @@ from .._starter._processes import REAP_WITHIN
 POLL_WAIT = 0.25
 #: Seconds an agent call may take before the agent counts as gone.
 CALL_LIMIT = 30.0
+#: A rank's kill and reap on its node waits what is left of the teardown's deadline; its
+#: answer may take this much longer to arrive (a round trip on a loaded cluster).
+ANSWER_MARGIN = 2.0
 #: An agent is not polled again while this many of its bytes wait for the kernel to read.
 BACKLOG_LIMIT = 16 << 20
 #: How long the poll thread waits for a full pipe to take more before it looks at the
@@ -102,13 +105,14 @@ class AgentLink:
         if mirror:
             self.mirrors[position] = mirror
 
-    def call(self, method: str, *args: Any) -> Any:
-        """Call the agent and wait (``None`` if it is gone)."""
+    def call(self, method: str, *args: Any, limit: float = CALL_LIMIT) -> Any:
+        """Call the agent and wait, ``limit`` s at most (``None`` if it is gone; an agent
+        that does not answer within ``limit`` is taken for gone)."""
         if self.lost is not None:
             return None
         try:
             return self.ray.get(getattr(self.actor, method).remote(self.run, *args),
-                                timeout=CALL_LIMIT)  # fmt: skip
+                                timeout=limit)  # fmt: skip
         except Exception as exc:
             if _is_gone(self.ray, exc):
                 self.lose(_reason(exc))
@@ -274,7 +278,12 @@ class RemoteProcess:
     def kill_and_reap(self, within: float = REAP_WITHIN) -> int:
         code = self._link.exit_code(self._position)
         if code is None:
-            reaped = self._link.call("kill_and_reap", self._position, within)
+            # The agent waits ``within`` (what is left of the teardown's one deadline); its
+            # answer is awaited that long and a round trip more, not CALL_LIMIT: an agent
+            # that hangs costs the teardown little more than its deadline.
+            reaped = self._link.call(
+                "kill_and_reap", self._position, within, limit=within + ANSWER_MARGIN
+            )
             code, unasked = -signal.SIGKILL, False
             if reaped is not None:
                 code, unasked = int(reaped[0]), bool(reaped[1])

@@ -314,15 +314,17 @@ class NodeAgent:
                     _check_exit(local, index, outbox)
         except Exception:  # a bug here must end the ranks' run, never leave the kernel waiting
             _log.exception("nb_dist: the node agent's reader failed; its ranks are stopped")
-            for index, local in enumerate(ranks):
-                if not local.reported:
-                    with local.lock:
-                        code = local.process.kill_and_reap()
-                    for kind in sorted(local.open_kinds):
-                        outbox.add(index, kind, b"")
-                    local.reported = True
-                    at = local.exited_at or time.monotonic()
-                    outbox.exited(index, code, at, local.process.ended_unasked())
+            left = [(index, local) for index, local in enumerate(ranks) if not local.reported]
+            with contextlib.ExitStack() as held:  # all killed at once, reaped by one deadline
+                for _, local in left:
+                    held.enter_context(local.lock)
+                codes = _processes.end_all([local.process for _, local in left])
+            for (index, local), code in zip(left, codes, strict=True):
+                for kind in sorted(local.open_kinds):
+                    outbox.add(index, kind, b"")
+                local.reported = True
+                at = local.exited_at or time.monotonic()
+                outbox.exited(index, code, at, local.process.ended_unasked())
         finally:
             selector.close()
 

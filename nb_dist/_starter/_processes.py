@@ -223,7 +223,7 @@ class _Forked:
         signal_group(self.pid, signal.SIGKILL)
         code = self._reap(within=within)
         if code is None:
-            report_unreaped(self.pid, REAP_WITHIN)
+            report_unreaped(self.pid, within)
             return -signal.SIGKILL
         return code
 
@@ -276,7 +276,7 @@ class _FromForkserver:
         self._process.join(timeout=within)  # only the server reaps; multiprocessing asks
         code = self._process.exitcode
         if code is None:
-            report_unreaped(self.pid, REAP_WITHIN)  # as for a rank this kernel forked
+            report_unreaped(self.pid, within)  # as for a rank this kernel forked
             return -signal.SIGKILL
         return int(code)
 
