@@ -581,6 +581,10 @@ def test_the_reference_implementations_are_the_exercises_answers():
     # a DTensor plan of separate q, k, v: 6 tp all-reduces per layer, not 4
     unfused = reference.plan_costs(block, {"pp": 1, "dp": 2, "cp": 1, "tp": 2}, fused_qkv=False)
     assert unfused["traffic"] == 3 * 4 * 3072 / 2 + 6 * 2 * 4 * 2 * 8 * 16
+    # FSDP reshards between microbatches: 2 all-gathers and 1 reduce-scatter per microbatch
+    four = reference.plan_costs(block | {"microbatches": 4}, {"pp": 1, "dp": 2, "cp": 1, "tp": 2})
+    assert four["traffic"] == 4 * (3 * 4 * 3072 / 2 + 4 * 2 * 4 * 2 * 8 * 16)
+    assert four["memory"] == fsdp_tp["memory"]  # pp = 1: one microbatch in flight
     # cp: notebook 18's ring keeps cp score blocks, a·b·(s/cp)·s of them (÷ tp), not one block,
     # and every K/V block it received: 2·b·s·h values (÷ tp), of which s/cp are counted already
     cp_tp = reference.plan_costs(block, {"pp": 1, "dp": 1, "cp": 2, "tp": 2})

@@ -290,7 +290,12 @@ def plan_costs(
     every K/V block the ring received (the whole ``K`` and ``V``, ``2·b·s·h`` values, ``1/tp``
     of them per tp rank), of which :func:`tp_block_activations` counts only the rank's own
     ``1/cp``: ``4·2·b·s·h·(1 - 1/cp)/tp`` bytes more per block; traffic in notebook 15's units:
-    FSDP's two all-gathers and one reduce-scatter of the stage's tp shard, the tp all-reduces
+    FSDP's two all-gathers and one reduce-scatter of the stage's tp shard for every microbatch,
+    ``m·3·4Ψ/(pp·tp)`` per step (FSDP resharding the stage and reduce-scattering its gradients
+    after each microbatch, which is what keeps the states fully sharded all step, as the memory
+    counts them; keeping the stage gathered between microbatches instead, as torchtitan does with
+    pp, moves about ``2·4Ψ/(pp·tp)`` per step and holds ``4Ψ/(pp·tp)`` bytes more of parameters
+    and as much of gradients, which the plan does not count), the tp all-reduces
     of one ``(b, s/cp, h)`` activation per layer and microbatch (4 with ``q``, ``k`` and ``v``
     fused into one linear, as Megatron-LM does; 6 with ``fused_qkv=False``, three separate
     linears each all-reducing its input's gradient, as a DTensor plan of ``q``, ``k``, ``v``
@@ -308,7 +313,7 @@ def plan_costs(
     activation = 4 * b * s / cp * h  # one (b, s/cp, h) tensor in fp32
     traffic = 0.0
     if dp * cp > 1:
-        traffic += 3 * 4 * psi / (pp * tp)
+        traffic += m * 3 * 4 * psi / (pp * tp)  # resharded between microbatches
     if tp > 1:
         traffic += m * layers / pp * (4 if fused_qkv else 6) * 2 * activation
     if pp > 1:
