@@ -293,14 +293,17 @@ def plan_costs(
     FSDP's two all-gathers and one reduce-scatter of the stage's tp shard for every microbatch,
     ``m·3·4Ψ/(pp·tp)`` per step (FSDP resharding the stage and reduce-scattering its gradients
     after each microbatch, which is what keeps the states fully sharded all step, as the memory
-    counts them; keeping the stage gathered between microbatches instead, as torchtitan does with
-    pp, moves about ``2·4Ψ/(pp·tp)`` per step and holds ``4Ψ/(pp·tp)`` bytes more of parameters
-    and as much of gradients, which the plan does not count), the tp all-reduces
-    of one ``(b, s/cp, h)`` activation per layer and microbatch (4 with ``q``, ``k`` and ``v``
-    fused into one linear, as Megatron-LM does; 6 with ``fused_qkv=False``, three separate
-    linears each all-reducing its input's gradient, as a DTensor plan of ``q``, ``k``, ``v``
-    does), one activation and one gradient per microbatch across a stage boundary, and ring
-    attention's K/V hops forward and backward (:func:`ring_bytes` on ``h/tp`` features)."""
+    counts them; keeping the stage gathered between microbatches instead (FSDP2's
+    ``reshard_after_forward=False``, ``set_reshard_after_backward(False)`` and
+    ``set_requires_gradient_sync(False)`` until the last one, as ``torch.distributed.pipelining``
+    sets for an FSDP stage), moves about ``2·4Ψ/(pp·tp)`` per step and holds ``4Ψ/(pp·tp)``
+    bytes more of parameters and as much of gradients, which the plan does not count), the tp
+    all-reduces of one ``(b, s/cp, h)`` activation per layer and microbatch (4 with ``q``,
+    ``k`` and ``v`` fused into one linear, as Megatron-LM does; 6 with ``fused_qkv=False``,
+    three separate linears each all-reducing its input's gradient, as a DTensor plan of ``q``,
+    ``k``, ``v`` does), one activation and one gradient per microbatch across a stage
+    boundary, and ring attention's K/V hops forward and backward (:func:`ring_bytes` on
+    ``h/tp`` features)."""
     pp, dp, cp, tp = layout["pp"], layout["dp"], layout["cp"], layout["tp"]
     layers, h, s = model["layers"], model["hidden"], model["seq"]
     b, m, psi, a = model["micro_batch"], model["microbatches"], model["psi"], model["heads"]
