@@ -293,9 +293,10 @@ def plan_costs(
     every microbatch, ``m·3·4Ψ/(pp·tp)`` per step (FSDP resharding the stage and reduce-scattering
     its gradients after each microbatch, which is what keeps the states fully sharded all step, as
     the memory counts them; keeping the stage gathered between microbatches instead
-    (``fully_shard``'s ``reshard_after_forward=False``, and ``set_reshard_after_backward(False)``
-    and ``set_requires_gradient_sync(False)`` until the last one, the two calls
-    ``torch.distributed.pipelining``'s stages make for an FSDP module), moves about
+    (``fully_shard``'s ``reshard_after_forward=False``, with ``set_reshard_after_backward(False)``
+    and ``set_requires_gradient_sync(False)`` between microbatches, as
+    ``torch.distributed.pipelining``'s stages set them before running FSDP's post-backward once
+    after the last), moves about
     ``2·4Ψ/(pp·tp)`` per step and holds ``4Ψ/(pp·tp)`` bytes more of parameters and as much of
     gradients, which the plan does not count), the tp all-reduces of one ``(b, s/cp, h)``
     activation per layer and microbatch (4 with ``q``, ``k`` and ``v`` fused into one linear, as
