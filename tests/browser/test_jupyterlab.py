@@ -227,7 +227,7 @@ INTERACTIONS: dict[str, Callable[[Page, Path], None]] = {
 
 
 # Notebooks with widgets that a test of their own runs and checks (their widgets included).
-OWN_TESTS = {"00_quickstart.ipynb", "04_ddp_step_by_step.ipynb"}
+OWN_TESTS = {"00_quickstart.ipynb"}
 
 
 def test_every_notebook_with_widgets_is_covered():
@@ -372,7 +372,7 @@ LIVE_RANKS = "04_ddp_step_by_step.ipynb"
 @pytest.mark.timeout(300)
 def test_live_ranks_step_by_step(lab: LabServer, page: Page, screenshots_dir: Path):
     """Run All on the live-ranks notebook: %%ranks cells show each rank's labelled lines and
-    values, the figures and the gradient view render, the cell where one rank skips a
+    values, the figures drawn from pulled gradients render, the cell where one rank skips a
     collective ends in the deadlock report, and the next cell runs on the same ranks."""
     open_notebook(page, lab, LIVE_RANKS)
     run_all_cells(page)
@@ -398,7 +398,7 @@ def test_live_ranks_step_by_step(lab: LabServer, page: Page, screenshots_dir: Pa
     assert "[rank 0] [0, 2, 4, 6, 8, 10, 12, 14]" in shards, shards
     assert "[rank 1] [1, 3, 5, 7, 9, 11, 13, 15]" in shards, shards
 
-    # The figures drawn from pulled gradients, and the gradient view fed with them.
+    # The figures drawn from pulled gradients.
     for snippet in ('local = ranks.pull("local_grad")', 'synced = ranks.pull("synced_grad")',
                     'pulled = ranks.pull("ddp_start", "ddp_grad")'):  # fmt: skip
         cell = code_cell(page, snippet)
@@ -408,12 +408,6 @@ def test_live_ranks_step_by_step(lab: LabServer, page: Page, screenshots_dir: Pa
     assert "equal to the hand-averaged gradient: True" in output_text(
         code_cell(page, 'pulled = ranks.pull("ddp_start", "ddp_grad")')
     )
-    cells = code_cells(page)
-    for index in stored_widget_cells(NOTEBOOKS / LIVE_RANKS):
-        wait_for_widget(cells.nth(index), within=WIDGET_WITHIN)
-    gradients = page.locator(".nb-dist-gradient-view")
-    wait_for_text(gradients, "max difference across ranks after sync:  0", WIDGET_WITHIN)
-    assert_not_upscaled(gradients.locator("img.nb-dist-gradient-view-output"))
     assert_no_widget_failures(page)
 
     # The skipped collective: no timeout, the counts prove the deadlock (the cell catches the
