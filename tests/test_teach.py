@@ -527,6 +527,7 @@ def test_the_reference_implementations_are_the_exercises_answers():
                                              ("B", 1), ("F", 4), ("B", 2), ("F", 5), ("B", 3),
                                              ("B", 4), ("B", 5)]  # fmt: skip
     assert reference.torch_1f1b(2, 1, 0) == [("F", 0), ("B", 0)]
+    assert reference.bubble_formula(4, 16) == 0.1875  # notebook 17, exercise 17-1
     # notebook 17, exercise 17-3 (the interleaved forwards) and the order built from them
     forwards = reference.interleaved_forwards(2, 2, 4, 1)
     assert forwards == [(1, 0), (1, 1), (3, 0), (3, 1), (1, 2), (1, 3), (3, 2), (3, 3)]

@@ -23,6 +23,12 @@ def block_activations(b: int, s: int, h: int, a: int) -> int:
     return per_element * (token_terms + attention_matrix)
 
 
+def bubble_formula(p: int, m: int) -> float:
+    """Notebook 17, after exercise 17-1: the bubble of AFAB and 1F1B, each rank's idle time over
+    its compute time, ``(p - 1)/m`` for ``p`` stages and ``m`` microbatches."""
+    return (p - 1) / m
+
+
 def torch_1f1b(p: int, m: int, rank: int) -> Order:
     """Notebook 17, after exercise 17-2: the 1F1B order of stage ``rank`` of ``p`` for ``m``
     microbatches, in the form of PyTorch's ``Schedule1F1B`` (``p - rank`` forwards, then
@@ -352,6 +358,7 @@ def reshard_reads(
 __all__ = [
     "average_over_dp",
     "block_activations",
+    "bubble_formula",
     "exposed_time",
     "fsdp_tp_shard",
     "interleaved_1f1b",
