@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -59,8 +60,15 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     if len(str(root)) > 40:  # Ray's socket paths below it must stay under 107 characters
         root = Path(tempfile.mkdtemp(prefix="nbray", dir=str(root.parent.parent.parent)))
     (root / "ray").mkdir()
-    old = os.environ.get("RAY_TMPDIR")
-    os.environ["RAY_TMPDIR"] = str(root)  # where Ray writes the current cluster's address
+    settings = {
+        "RAY_TMPDIR": str(root),  # where Ray writes the current cluster's address
+        # How long the head's Ray Client server waits for a client's session to come up: 30 s
+        # by default, which a loaded 2-core machine running both nodes can pass (the refusal
+        # and nb_dist's second try have a test of their own).
+        "RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S": "120",
+    }
+    old = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
     cluster = None
     try:
         client_port = _free_port()
@@ -84,10 +92,11 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         ray.shutdown()
         if cluster is not None:
             cluster.shutdown()
-        if old is None:
-            os.environ.pop("RAY_TMPDIR", None)
-        else:
-            os.environ["RAY_TMPDIR"] = old
+        for name, value in old.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def live_agents() -> list[dict[str, Any]]:
@@ -721,6 +730,53 @@ def test_no_cluster_at_the_address_says_how_to_start_one():
     assert name == "ClusterError", done.stdout + done.stderr
     assert f"No Ray cluster at address='{address}'" in text, text
     assert "ray start --head" in text and "\n" not in text, text
+
+
+_REFUSING_HEAD = """
+import os, sys
+from ray.cluster_utils import Cluster
+import nb_dist
+
+root, port = sys.argv[1], int(sys.argv[2])
+head = Cluster(initialize_head=True, head_node_args={
+    "num_cpus": 1, "include_dashboard": False, "temp_dir": root, "ray_client_server_port": port,
+})
+try:
+    nb_dist.RayCluster(f"ray://127.0.0.1:{port}")
+except Exception as exc:
+    print(type(exc).__name__, exc, sep="|")
+finally:
+    head.shutdown()
+"""
+
+
+def test_a_client_session_the_head_refuses_is_tried_again_then_explained():
+    """A head whose Ray Client server gives up on every new session (as a busy one does after
+    its 30 s): nb_dist asks twice, then says why in one line, with the server's own reason
+    rather than the heading above its traceback, and what to do. (About 70 s: Ray keeps each
+    refused session 30 s for a reconnect that never comes.)"""
+    root = Path(tempfile.mkdtemp(prefix="nbref"))  # short: Ray's socket paths live below it
+    (root / "ray").mkdir()
+    # The head's client server waits 0 s for a session to come up: it refuses them all.
+    env = {"RAY_TMPDIR": str(root), "RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S": "0"}
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", _REFUSING_HEAD, str(root / "ray"), str(_free_port())],
+            capture_output=True, text=True, timeout=240, env={**os.environ, **env},
+        )  # fmt: skip
+        name, _, text = done.stdout.strip().rpartition("\n")[2].partition("|")
+        assert name == "ClusterError", done.stdout + done.stderr[-3000:]
+        assert "answered, but its Ray Client server did not start a session" in text, text
+        assert "in 2 tries (RuntimeError: " in text, text  # the last line of the server's traceback
+        assert "run the cell again" in text and "\n" not in text, text
+        asked = sum(
+            log.read_text().count("New data connection from client")
+            for log in root.glob("ray/session_*/logs/ray_client_server.err")
+            if not log.parent.parent.is_symlink()  # session_latest: the same session again
+        )
+        assert asked == 2, asked
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 # ----------------------------------------------------------------------------- hangs, ■, loss

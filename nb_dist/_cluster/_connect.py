@@ -33,6 +33,12 @@ def ray_module() -> Any:
     return ray
 
 
+#: How many times a connection is tried when the cluster answers but its Ray Client server
+#: does not start a session for this kernel in time (Ray gives that session 30 s; a busy head
+#: takes longer, and a second try, on a head that has just started one, usually does not).
+CLIENT_SESSION_TRIES = 2
+
+
 def connect(ray: Any, address: str) -> None:
     """Join the Ray cluster at ``address`` unless this process is connected to one already."""
     if ray.is_initialized():
@@ -40,16 +46,30 @@ def connect(ray: Any, address: str) -> None:
     unreachable = _unreachable(address)
     if unreachable is not None:
         raise _no_cluster(address, unreachable)
-    try:
-        ray.init(
-            address=address,
-            log_to_driver=False,  # the ranks' output comes through nb_dist, labelled
-            logging_level=logging.WARNING,
-            configure_logging=False,
-        )
-    except (ConnectionError, RuntimeError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise _no_cluster(address, first) from None
+    for tries_left in reversed(range(CLIENT_SESSION_TRIES)):
+        try:
+            ray.init(
+                address=address,
+                log_to_driver=False,  # the ranks' output comes through nb_dist, labelled
+                logging_level=logging.WARNING,
+                configure_logging=False,
+            )
+            return
+        except ConnectionAbortedError as exc:  # the server's refusal of this client's session
+            if not tries_left:
+                raise _no_session(address, why(exc)) from None
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            raise _no_cluster(address, why(exc)) from None
+
+
+def why(exc: BaseException) -> str:
+    """The line of ``exc``'s message that says what went wrong. A Ray Client server's refusal
+    is a heading ("Initialization failure from server:") above the server's traceback, whose
+    last line names the error; other messages say it in their first line."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    return lines[-1] if lines[0].endswith(":") and len(lines) > 1 else lines[0]
 
 
 def _no_cluster(address: str, why: str) -> ClusterError:
@@ -57,6 +77,17 @@ def _no_cluster(address: str, why: str) -> ClusterError:
         f"No Ray cluster at address={address!r} ({why}). Start one with `ray start --head` "
         "on a machine (then address='auto' on it, or 'ray://HOST:10001' from elsewhere), or "
         "pass the address of yours."
+    )
+
+
+def _no_session(address: str, why: str) -> ClusterError:
+    return ClusterError(
+        f"The Ray cluster at address={address!r} answered, but its Ray Client server did not "
+        f"start a session for this kernel, in {CLIENT_SESSION_TRIES} tries ({why}). A busy "
+        "head node starts one slower than Ray waits for it (30 s, set by "
+        "RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S on the head): run the cell again, or "
+        "start the head with a longer wait; ray_client_server*.err in the head's Ray logs "
+        "says more."
     )
 
 
