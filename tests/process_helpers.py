@@ -1,4 +1,4 @@
-"""Helpers for tests that check worker processes are gone.
+"""Helpers for tests that run Python processes of their own and check processes are gone.
 
 (Not in conftest.py: the notebooks folder has a conftest.py of its own, and two modules named
 ``conftest`` cannot both be imported by name.)
@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
+import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -19,6 +22,20 @@ import psutil
 #: subprocesses go with its process group), which still tolerates a loaded machine. How fast
 #: it really is, is measured in bench/ (launch_latency.py, relaunch.py).
 GONE_WITHIN = 5.0
+
+
+def run_python(
+    code: str, *args: str, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    """``code`` (dedented) run by a Python of its own with ``args`` as its argv and ``env``
+    over this process's environment; its output captured as text."""
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def assert_all_gone(pids, within: float = GONE_WITHIN) -> None:

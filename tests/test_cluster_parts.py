@@ -5,14 +5,12 @@ needs Ray and a local cluster, is skipped without it)."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import textwrap
 import time
 import typing
 from multiprocessing.connection import Connection
 
 import pytest
+from process_helpers import run_python
 
 import nb_dist
 from nb_dist._cluster import _remote_attempt
@@ -221,13 +219,8 @@ def test_bad_options_are_refused_before_connecting(options, says):
     assert says in str(caught.value)
 
 
-def _run_python(code: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
-
-
 def test_without_ray_one_line_says_how_to_get_it():
-    done = _run_python(
+    done = run_python(
         """
         import sys
         sys.modules["ray"] = None  # as if Ray were not installed
@@ -244,7 +237,7 @@ def test_without_ray_one_line_says_how_to_get_it():
 
 
 def test_import_nb_dist_does_not_import_ray():
-    done = _run_python("import sys, nb_dist; print('ray' in sys.modules)")
+    done = run_python("import sys, nb_dist; print('ray' in sys.modules)")
     assert done.stdout.strip() == "False", done.stderr
 
 

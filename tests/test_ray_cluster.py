@@ -15,8 +15,6 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
-import sys
 import tempfile
 import textwrap
 import threading
@@ -30,7 +28,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from process_helpers import listeners  # noqa: E402
+from process_helpers import listeners, run_python  # noqa: E402
 
 import nb_dist  # noqa: E402
 from nb_dist._cluster._connect import ClusterError  # noqa: E402
@@ -703,21 +701,11 @@ def test_resources_held_by_others_are_refused_within_the_placement_timeout(ray_c
     assert_cluster_clean()
 
 
-def _run_python(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, **(env or {})},
-    )
-
-
 def test_no_cluster_at_the_address_says_how_to_start_one():
     with socket.socket() as unused:  # a port nobody listens on: bound here, never listened
         unused.bind(("127.0.0.1", 0))
         address = f"127.0.0.1:{unused.getsockname()[1]}"
-        done = _run_python(
+        done = run_python(
             f"""
             import nb_dist
             try:
@@ -733,7 +721,7 @@ def test_no_cluster_at_the_address_says_how_to_start_one():
 
 
 _REFUSING_HEAD = """
-import os, sys
+import sys
 from ray.cluster_utils import Cluster
 import nb_dist
 
@@ -760,10 +748,8 @@ def test_a_client_session_the_head_refuses_is_tried_again_then_explained():
     # The head's client server waits 0 s for a session to come up: it refuses them all.
     env = {"RAY_TMPDIR": str(root), "RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S": "0"}
     try:
-        done = subprocess.run(
-            [sys.executable, "-c", _REFUSING_HEAD, str(root / "ray"), str(_free_port())],
-            capture_output=True, text=True, timeout=240, env={**os.environ, **env},
-        )  # fmt: skip
+        head, port = str(root / "ray"), str(_free_port())
+        done = run_python(_REFUSING_HEAD, head, port, env=env, timeout=240)
         name, _, text = done.stdout.strip().rpartition("\n")[2].partition("|")
         assert name == "ClusterError", done.stdout + done.stderr[-3000:]
         assert "answered, but its Ray Client server did not start a session" in text, text
@@ -1014,10 +1000,7 @@ def test_through_ray_client_launches_fail_stop_and_live_ranks_work(ray_cluster, 
     cluster.close()  # the client's launches need both CPUs
     folder = tmp_path / "ranks"
     folder.mkdir()
-    done = subprocess.run(
-        [sys.executable, "-c", _THROUGH_RAY_CLIENT, ray_cluster.client_address, str(folder)],
-        capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
+    done = run_python(_THROUGH_RAY_CLIENT, ray_cluster.client_address, str(folder), timeout=240)
     out = done.stdout
     assert done.returncode == 0, (out, done.stderr[-3000:])
     assert "[rank 0] hello from 0" in out and "[rank 1] hello from 1" in out, out

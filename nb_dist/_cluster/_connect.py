@@ -55,14 +55,15 @@ def connect(ray: Any, address: str) -> None:
                 configure_logging=False,
             )
             return
-        except ConnectionAbortedError as exc:  # the server's refusal of this client's session
+        # Before ConnectionError, of which it is a kind: the server refused this client's session.
+        except ConnectionAbortedError as exc:
             if not tries_left:
-                raise _no_session(address, why(exc)) from None
+                raise _no_session(address, _why(exc)) from None
         except (ConnectionError, RuntimeError, ValueError) as exc:
-            raise _no_cluster(address, why(exc)) from None
+            raise _no_cluster(address, _why(exc)) from None
 
 
-def why(exc: BaseException) -> str:
+def _why(exc: BaseException) -> str:
     """The line of ``exc``'s message that says what went wrong. A Ray Client server's refusal
     is a heading ("Initialization failure from server:") above the server's traceback, whose
     last line names the error; other messages say it in their first line."""

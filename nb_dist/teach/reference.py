@@ -285,31 +285,40 @@ def plan_costs(
     """Notebook 22, exercise 22-6: a training plan's ``memory`` per rank and ``traffic`` per step
     and rank, in bytes (fp32, Adam, no recomputation), for a dense transformer ``model`` (``psi``,
     ``layers``, ``hidden``, ``heads``, ``seq``, ``micro_batch``, ``microbatches``) on a ``layout``
-    (``pp``, ``dp``, ``cp``, ``tp``): model states ``16Ψ`` fully sharded over the whole mesh (FSDP
-    over dp and cp, notebook 15), the activations of the stage's layers for ``min(pp, m)``
-    microbatches in flight (1F1B, notebook 17), each block's from :func:`tp_block_activations` on
-    ``s/cp`` tokens except the attention scores: notebook 18's hand-written ring attention keeps,
-    in training, the ``cp`` score blocks of its queries (:func:`ring_score_bytes`: ``a·b·(s/cp)·s``
-    values, ``1/cp`` of the score matrix, not one ``(s/cp)²`` block), ``1/tp`` of them per tp rank
-    (a fused, recomputing kernel such as FlashAttention keeps none, which the plan does not count),
-    and, as notebook 18 measured, every K/V block the ring received (the whole ``K`` and ``V``,
-    ``2·b·s·h`` values, ``1/tp`` of them per tp rank), of which :func:`tp_block_activations` counts
-    only the rank's own ``1/cp``: ``4·2·b·s·h·(1 - 1/cp)/tp`` bytes more per block; traffic in
-    notebook 15's units: FSDP's two all-gathers and one reduce-scatter of the stage's tp shard for
-    every microbatch, ``m·3·4Ψ/(pp·tp)`` per step (FSDP resharding the stage and reduce-scattering
-    its gradients after each microbatch, which is what keeps the states fully sharded all step, as
-    the memory counts them; keeping the stage gathered between microbatches instead
-    (``fully_shard``'s ``reshard_after_forward=False``, with ``set_reshard_after_backward(False)``
-    and ``set_requires_gradient_sync(False)`` between microbatches, as
-    ``torch.distributed.pipelining``'s stages set them before running FSDP's post-backward once
-    after the last), moves about
-    ``2·4Ψ/(pp·tp)`` per step and holds ``4Ψ/(pp·tp)`` bytes more of parameters and as much of
-    gradients, which the plan does not count), the tp all-reduces of one ``(b, s/cp, h)``
-    activation per layer and microbatch (4 with ``q``, ``k`` and ``v`` fused into one linear, as
-    Megatron-LM does; 6 with ``fused_qkv=False``, three separate linears each all-reducing its
-    input's gradient, as a DTensor plan of ``q``, ``k``, ``v`` does), one activation and one
-    gradient per microbatch across a stage boundary, and ring attention's K/V hops forward and
-    backward (:func:`ring_bytes` on ``h/tp`` features)."""
+    (``pp``, ``dp``, ``cp``, ``tp``).
+
+    Memory:
+
+    - model states ``16Ψ``, fully sharded over the whole mesh (FSDP over dp and cp, notebook 15);
+    - the activations of the stage's layers for ``min(pp, m)`` microbatches in flight (1F1B,
+      notebook 17), each block's from :func:`tp_block_activations` on ``s/cp`` tokens, except:
+    - the attention scores of notebook 18's hand-written ring attention, which keeps in
+      training the ``cp`` score blocks of its queries (:func:`ring_score_bytes`:
+      ``a·b·(s/cp)·s`` values, ``1/cp`` of the score matrix, not one ``(s/cp)²`` block), ``1/tp``
+      of them per tp rank (a fused, recomputing kernel such as FlashAttention keeps none, which
+      the plan does not count);
+    - every K/V block the ring received, as notebook 18 measured (the whole ``K`` and ``V``,
+      ``2·b·s·h`` values, ``1/tp`` per tp rank), of which :func:`tp_block_activations` counts only
+      the rank's own ``1/cp``: ``4·2·b·s·h·(1 - 1/cp)/tp`` bytes more per block.
+
+    Traffic, in notebook 15's units:
+
+    - FSDP's two all-gathers and one reduce-scatter of the stage's tp shard for every
+      microbatch, ``m·3·4Ψ/(pp·tp)`` per step: FSDP reshards the stage and reduce-scatters its
+      gradients after each microbatch, which keeps the states fully sharded all step, as the
+      memory counts them. Keeping the stage gathered between microbatches instead
+      (``fully_shard``'s ``reshard_after_forward=False``, with ``set_reshard_after_backward(False)``
+      and ``set_requires_gradient_sync(False)`` between microbatches, as
+      ``torch.distributed.pipelining``'s stages set them before running FSDP's post-backward
+      once after the last) moves about ``2·4Ψ/(pp·tp)`` per step and holds ``4Ψ/(pp·tp)`` bytes
+      more of parameters and as much of gradients, which the plan does not count;
+    - the tp all-reduces of one ``(b, s/cp, h)`` activation per layer and microbatch: 4 with
+      ``q``, ``k`` and ``v`` fused into one linear, as Megatron-LM does; 6 with
+      ``fused_qkv=False``, three separate linears each all-reducing its input's gradient, as a
+      DTensor plan of ``q``, ``k``, ``v`` does;
+    - one activation and one gradient per microbatch across a stage boundary;
+    - ring attention's K/V hops forward and backward (:func:`ring_bytes` on ``h/tp`` features).
+    """
     pp, dp, cp, tp = layout["pp"], layout["dp"], layout["cp"], layout["tp"]
     layers, h, s = model["layers"], model["hidden"], model["seq"]
     b, m, psi, a = model["micro_batch"], model["microbatches"], model["psi"], model["heads"]
