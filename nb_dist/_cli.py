@@ -145,6 +145,20 @@ def _run(args: argparse.Namespace, prog: str) -> int:
         print(f"{prog}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt as exc:  # every rank was stopped
+        _forget_unhandled_keyboard_interrupt()
         print(f"{prog}: interrupted: {exc}", file=sys.stderr)
         return 130
     return 0
+
+
+def _forget_unhandled_keyboard_interrupt() -> None:
+    """Keep the exit status 130 after a handled Ctrl-C under ``python -m nb_dist``.
+
+    CPython (3.8 and later) marks a KeyboardInterrupt that leaves code run from a *string*
+    (``exec``/``eval`` of source, as ``dataclasses`` does to define methods, often during a
+    lazy import) as unhandled, even when a caller catches it; under ``-m`` the interpreter then
+    ends itself by SIGINT at exit (status -2) instead of returning 130. Every string ``exec``
+    clears that mark when it starts, so a harmless one after the interrupt was handled clears
+    it; it cannot hide an interrupt nobody handled.
+    """
+    exec("pass", {})

@@ -227,6 +227,36 @@ def test_ctrl_c_stops_every_rank_of_the_command(tmp_path):
 
 
 @pytest.mark.fast
+@pytest.mark.timeout(60)
+def test_ctrl_c_in_code_run_from_a_string_still_exits_130(tmp_path):
+    """CPython marks a KeyboardInterrupt that leaves code run from a string (``dataclasses``
+    defines methods so, during a lazy import) as unhandled even once caught, and under
+    ``python -m`` ends the process by SIGINT (-2). The Ctrl-C here lands in such code, in
+    place of the launch (which the test above interrupts for real, at a moment it cannot
+    choose): the command still says it was interrupted and exits 130."""
+    (tmp_path / "interrupted_cli.py").write_text(
+        textwrap.dedent(
+            """
+            from nb_dist import _cli
+            from nb_dist._kernel import _scripts
+
+            def run_parsed(options):
+                exec("raise KeyboardInterrupt('the launch was interrupted')", {})
+
+            _scripts.run_parsed = run_parsed
+            raise SystemExit(_cli.main(["run", "train.py"], prog="python -m nb_dist"))
+            """
+        )
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "interrupted_cli"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 130, (done.returncode, done.stderr)
+    assert done.stderr == "python -m nb_dist run: interrupted: the launch was interrupted\n"
+
+
+@pytest.mark.fast
 def test_run_script_is_public():
     assert "run_script" in nb_dist.__all__ and nb_dist.run_script is run_script
     assert os.path.exists(SCRIPT)
