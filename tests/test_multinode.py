@@ -137,3 +137,63 @@ def test_two_nodes_on_loopback_form_one_world(capsys, order):
     assert "[rank 2] world 4 sum 10" in out1 and "[rank 3] world 4 sum 10" in out1
 
     assert_all_gone([v["pid"] for v in result] + [v["pid"] for v in by_rank.values()])
+
+
+def _threads_here() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+_forking: list[int] | None = None  # while armed: this process's thread count at each fork
+
+
+def _count_threads_at_fork() -> None:
+    if _forking is not None:
+        _forking.append(_threads_here())
+
+
+@pytest.mark.fast
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_node0_forks_every_rank_before_its_store_serves(capsys):
+    """Other machines' ranks connect to node 0's store whenever they start. The store's server
+    thread looks each new peer's name up (``getnameinfo``) under glibc's resolver lock, and a
+    rank forked at that moment inherits the lock held: it hangs in ``init_process_group`` for
+    ever (1 rank in 7 here, with node 1's ranks connecting during node 0's forks). So node 0
+    opens the port, forks every rank, and only then starts the server: no thread beside the
+    kernel's own runs while it forks, and node 1's early ranks still join.
+    """
+    global _forking
+    os.register_at_fork(before=_count_threads_at_fork)  # idempotent in effect: armed below
+    port = _free_port()
+    script = _NODE1.format(tests_dir=os.path.dirname(os.path.abspath(__file__)), port=port)
+    node1 = subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        _wait_for_workers(node1, 2, within=30)  # node 1's ranks are up and connecting
+        before, _forking = _threads_here(), []
+        try:
+            result = notebook_launcher(
+                _allreduce_rank_plus_one,
+                num_processes=2,
+                num_nodes=2,
+                node_rank=0,
+                use_port=port,
+                master_addr="127.0.0.1",
+                timeout=45,
+            )
+        finally:
+            forks, _forking = _forking, None
+        out1, err1 = node1.communicate(timeout=50)
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.communicate()
+    assert node1.returncode == 0, out1 + err1
+    assert [v["sum"] for v in result] == [10.0, 10.0]
+    assert len(forks) == 2, forks  # one fork per rank of node 0
+    assert max(forks) <= before, (before, forks)

@@ -29,7 +29,7 @@ from typing import Any
 
 from .._rank._spec import RankSpec
 from .._shared._net import is_loopback
-from .._starter import _processes
+from .._starter import _parts, _processes
 from .._starter._parts import Gate, held_fds, hold_out_of_forks
 from . import _openmp, _ports, _preflight
 from ._arguments import Asked
@@ -65,26 +65,45 @@ def start_all(method: str, ranks: list[Rank], spec_for: SpecFor) -> Connection:
 class KernelStore:
     """The ``StoreHost`` of a launch on this machine: the kernel hosts the store on node 0
     (``_ports.open_store``); on another node of a launch placed by hand, none is hosted here
-    and the ranks reach node 0's at ``master_addr`` and the port asked for."""
+    and the ranks reach node 0's at ``master_addr`` and the port asked for.
+
+    :meth:`open` only opens the port; :meth:`serve` starts the store's server on it once the
+    ranks are forked (``LocalHost.start``). Until then other machines' ranks that connect
+    wait in the port's backlog, and no server thread runs while the kernel forks
+    (``_parts.store_socket`` says why a fork beside it can hang a rank)."""
 
     def __init__(self, plan: LaunchPlan) -> None:
         self._plan = plan
+        self._listener: socket.socket | None = None
         self._store: Any = None
+        self._port: int | None = None
+        self._world_size = 0
 
     def open(self, world_size: int) -> tuple[str, int]:
         plan = self._plan
         if plan.node_rank == 0:
             # On one machine the store listens on master_addr only (127.0.0.1 unless
             # asked otherwise); placed by hand on several, on every interface.
-            self._store = _ports.open_store(
-                plan.master_addr, plan.port, world_size, only_there=plan.num_nodes == 1
+            self._listener = _ports.open_store(
+                plan.master_addr, plan.port, only_there=plan.num_nodes == 1
             )
-        return plan.master_addr, self._store.port if self._store is not None else plan.port or 0
+            self._port, self._world_size = self._listener.getsockname()[1], world_size
+        return plan.master_addr, self._port if self._port is not None else plan.port or 0
+
+    def serve(self) -> None:
+        """Start the store's server on the opened port (nothing on a node that hosts none)."""
+        if self._listener is not None:
+            listener, self._listener = self._listener, None
+            self._store = _parts.serve_store(listener, self._plan.master_addr, self._world_size)
 
     def close(self) -> None:
-        if self._store is not None:
-            _ports.forget_store(self._store)
-            self._store = None  # drops the last reference: the server stops
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        self._store = None  # drops the last reference: the server stops
+        if self._port is not None:
+            _ports.forget_store(self._port)
+            self._port = None
 
 
 def places_here(plan: LaunchPlan) -> list[Place]:
@@ -114,10 +133,12 @@ def _loopback_interface() -> str | None:
 
 class LocalHost:
     """The supervisor's ``RankHost`` for ranks on this machine (fork, spawn or forkserver):
-    it owns what the ranks share (``setup``: the store, the folder), closed with it."""
+    it owns what the ranks share (``setup``: the store, the folder), closed with it, and
+    starts the store's server (``store``, the setup's) once the ranks are forked."""
 
-    def __init__(self, setup: AttemptSetup, restart: bool) -> None:
+    def __init__(self, setup: AttemptSetup, store: KernelStore, restart: bool) -> None:
         self._setup: AttemptSetup | None = setup
+        self._store = store
         self._places = setup.places
         self._restart = restart
 
@@ -131,6 +152,7 @@ class LocalHost:
             return rank_spec(plan, index, self._places[index], envs[index], kernel_fds)
 
         lifeline = start_all(plan.start_method, ranks, spec_for)
+        self._store.serve()  # every rank is forked: no fork runs beside its server thread
         # Who may hold a port later: a busy port held by one of these is named as ours.
         _ports.remember_ranks([rank.outcome.pid for rank in ranks if rank.outcome.pid])
         return lifeline
@@ -233,8 +255,9 @@ class LocalTransport:
         self, plan: LaunchPlan, attempt: int
     ) -> tuple[list[dict[str, str]], list[Place], LocalHost]:
         prefix = "nb_dist_ranks_" if plan.session else "nb_dist_run_"
-        setup = AttemptSetup(plan, attempt, prefix, KernelStore(plan), places_here(plan))
-        return setup.envs, setup.places, LocalHost(setup, restart=attempt > 0)
+        store = KernelStore(plan)
+        setup = AttemptSetup(plan, attempt, prefix, store, places_here(plan))
+        return setup.envs, setup.places, LocalHost(setup, store, restart=attempt > 0)
 
     def interrupted(self) -> None:
         pass  # the ranks are stopped; the fork server and warm imports stay as they are

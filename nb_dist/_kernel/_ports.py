@@ -10,7 +10,7 @@ another program could take it, unlike "find a free port, close it, hope".
 from __future__ import annotations
 
 import os
-from typing import Any
+import socket
 
 from .._starter import _parts
 from ._errors import UnsafeLaunchError
@@ -49,12 +49,12 @@ def is_our_rank(pid: int) -> bool:
     return pid in _started_ranks and _start_time(pid) == _started_ranks[pid]
 
 
-def open_store(master_addr: str, port: int | None, world_size: int, only_there: bool) -> Any:
-    """Start the launch's TCPStore server in the kernel on ``port`` (``None``: a free port),
-    listening on ``master_addr`` only unless ``only_there`` is false (``host_store``); a
-    taken port or an address not of this machine refused in words."""
+def open_store(master_addr: str, port: int | None, only_there: bool) -> socket.socket:
+    """Open the launch's rendezvous port in the kernel (``None``: a free port): the listening
+    socket its store will serve (``_parts.store_socket``), on ``master_addr`` only unless
+    ``only_there`` is false; a taken port or an address not of this machine refused in words."""
     try:
-        store = _parts.host_store(master_addr, port, world_size, only_there)
+        listener = _parts.store_socket(master_addr, port, only_there)
     except (RuntimeError, OSError) as exc:
         if port is not None and _is_address_in_use(exc):
             raise port_in_use_error(port) from None
@@ -63,13 +63,13 @@ def open_store(master_addr: str, port: int | None, world_size: int, only_there: 
             f"({type(exc).__name__}: {exc}). Check that master_addr={master_addr!r} is an "
             "address of this machine (127.0.0.1 for a single machine)."
         ) from exc
-    _ports_in_use_here.add(store.port)
-    return store
+    _ports_in_use_here.add(listener.getsockname()[1])
+    return listener
 
 
-def forget_store(store: Any) -> None:
-    """Mark the store's port free; the caller drops its last reference, which stops the server."""
-    _ports_in_use_here.discard(store.port)
+def forget_store(port: int) -> None:
+    """Mark the store's port free; the caller closes the store (or its socket)."""
+    _ports_in_use_here.discard(port)
 
 
 def _is_address_in_use(exc: BaseException) -> bool:

@@ -8,7 +8,8 @@ rank's pipes are still read.
 - The **store** is torch's ``TCPStore``, hosted by whoever starts rank 0 (the kernel, or
   rank 0's node agent), listening on the ranks' address only, on port 0 unless a port is
   asked for: the OS picks a free port the store already owns, so no other program can take
-  it in between.
+  it in between. A starter whose ranks other machines reach (node 0 of a launch placed by
+  hand) opens the port first and starts the server after its forks (:func:`store_socket`).
 - The **scratch folder** holds each rank's error file and collective counter, in memory
   (``/dev/shm``) where possible: a counter is written at every collective.
 - The **start gate**: ranks wait for EOF on it before any user code runs, and the starter
@@ -44,36 +45,61 @@ DRAIN_AFTER_EXIT = 1.0
 
 def host_store(address: str, port: int | None, world_size: int, only_there: bool = True) -> Any:
     """Host a run's rendezvous store (``torch.distributed.TCPStore``) on ``address`` only;
-    ``port=None``: a free one, read back from ``store.port``.
+    ``port=None``: a free one, read back from ``store.port``. :func:`store_socket`, then
+    :func:`serve_store` at once; see there."""
+    return serve_store(store_socket(address, port, only_there), address, world_size)
+
+
+def store_socket(address: str, port: int | None, only_there: bool = True) -> socket.socket:
+    """The listening socket of a run's rendezvous store, before its server starts.
 
     Left to itself the store listens on every interface of the machine (``::``), and it
-    authenticates nobody: anyone who reaches it could join the ranks' rendezvous. It is
-    given a socket bound to ``address`` instead (``127.0.0.1`` for a launch on one machine,
-    the node's cluster address on a cluster), which torch's store accepts as
-    ``master_listen_fd``. An ``OSError`` if the port is taken or the address is not this
-    machine's. ``only_there=False`` (a launch placed by hand on several machines, whose
-    ``master_addr`` may be a host name this machine resolves to a loopback address, as
-    Debian's ``/etc/hosts`` does): every interface, as torchrun's store."""
-    from torch.distributed import TCPStore
+    authenticates nobody: anyone who reaches it could join the ranks' rendezvous. So the
+    socket is bound to ``address`` (``127.0.0.1`` for a launch on one machine, the node's
+    cluster address on a cluster) and handed to torch's store (:func:`serve_store`). An
+    ``OSError`` if the port is taken or the address is not this machine's.
+    ``only_there=False`` (a launch placed by hand on several machines, whose ``master_addr``
+    may be a host name this machine resolves to a loopback address, as Debian's
+    ``/etc/hosts`` does): every interface, as torchrun's store.
 
-    if not only_there:
-        return TCPStore(
-            host_name=address,
-            port=port or 0,
-            world_size=world_size,
-            is_master=True,
-            timeout=timedelta(seconds=STORE_TIMEOUT),
-            wait_for_workers=False,
-        )
-
-    family, kind, proto, _, where = socket.getaddrinfo(address, port or 0, type=socket.SOCK_STREAM)[
-        0
-    ]
-    listener = socket.socket(family, kind, proto)
+    Clients that connect before the server starts wait in the socket's backlog: a starter
+    whose ranks are forked while other machines' ranks may already connect (node 0 of a
+    launch placed by hand) opens the socket, forks, and only then starts the server. A
+    server thread that accepts a connection looks the peer's name up (``getnameinfo``),
+    holding glibc's resolver lock; a rank forked at that moment inherits the lock held and
+    hangs in its own first lookup, inside ``init_process_group``, for ever."""
+    if only_there:
+        family, kind, proto, _, where = socket.getaddrinfo(
+            address, port or 0, type=socket.SOCK_STREAM
+        )[0]
+    else:
+        family, kind, proto, where = socket.AF_INET6, socket.SOCK_STREAM, 0, ("::", port or 0)
     try:
+        listener = socket.socket(family, kind, proto)
+    except OSError:
+        if only_there:
+            raise
+        # No IPv6 on this machine: every IPv4 interface.
+        family, where = socket.AF_INET, ("0.0.0.0", port or 0)
+        listener = socket.socket(family, kind, proto)
+    try:
+        if family == socket.AF_INET6 and not only_there:
+            listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # IPv4 as well
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's own does
         listener.bind(where)
         listener.listen(socket.SOMAXCONN)
+    except BaseException:
+        listener.close()
+        raise
+    return listener
+
+
+def serve_store(listener: socket.socket, address: str, world_size: int) -> Any:
+    """Start torch's store server on ``listener`` (from :func:`store_socket`), which it owns
+    from then on (it closes the socket when it stops; so does a failure here)."""
+    from torch.distributed import TCPStore
+
+    try:
         store = TCPStore(
             host_name=address,
             port=listener.getsockname()[1],
