@@ -15,6 +15,7 @@ from nb_dist._kernel._diagnosis import (
     StuckRank,
     distributed_call,
     is_rendezvous,
+    reaching_store,
     rendezvous_report,
     timeout_hint,
     timeout_report,
@@ -63,6 +64,31 @@ def test_timeout_hint_names_a_collective_only_when_a_rank_is_in_one():
     assert "No rank was in a collective" in conv and "collective (all_reduce" not in conv
     rendezvous = timeout_hint(["init_process_group"])
     assert "init_process_group" in rendezvous and "collective (all_reduce" not in rendezvous
+
+
+CONNECTING = [*INIT, (f"{TORCH}/distributed/rendezvous.py", 190, "_create_c10d_store")]
+MESHING = [
+    *INIT[:4],
+    (f"{TORCH}/distributed/distributed_c10d.py", 2169, "_new_process_group_helper"),
+]
+
+
+def test_a_rank_inside_the_store_creation_is_named_as_not_reaching_the_store():
+    """A client's TCPStore returns once connected, so only a rank that never reached the store
+    is found inside it; a rank meshing with its peers waits in init_process_group as well."""
+    assert reaching_store(CONNECTING)
+    assert not reaching_store(MESHING) and not reaching_store(INIT)
+    assert not reaching_store(ALL_REDUCE) and not reaching_store([])
+    text, stacks = timeout_report(
+        45, [StuckRank(0, "blocked", tuple(CONNECTING)), StuckRank(1, "blocked", tuple(MESHING))]
+    )
+    hint = next(line for line in text.splitlines() if "never reached" in line)
+    assert hint.startswith("rank 0 never reached the rendezvous store")
+    assert "master_addr" in hint and "firewall" in hint
+    assert "A rank blocked in init_process_group waits" in text  # the general advice stays
+    assert list(stacks) == [0, 1]
+    plain, _ = timeout_report(45, [StuckRank(1, "blocked", tuple(MESHING))])
+    assert "never reached" not in plain
 
 
 def _view(rank, waited=None, done=False, world=None, endpoint=None, state="running", frames=None):

@@ -39,6 +39,28 @@ def distributed_call(frames: Sequence[Frame]) -> str | None:
     return None
 
 
+def reaching_store(frames: Sequence[Frame]) -> bool:
+    """Whether a rank is still reaching the rendezvous store: its innermost torch.distributed
+    frame is the store's creation (``TCPStore(...)`` in ``_create_c10d_store``). A client's
+    store returns as soon as it is connected, so a rank found there has not reached the store
+    (other ranks' lateness keeps a rank in ``init_process_group``, never in there)."""
+    for filename, _line, name in reversed(frames):
+        if _DIST_DIR in filename and name not in _WRAPPER_NAMES:
+            return name == "_create_c10d_store"
+    return False
+
+
+def store_hint(ranks: Sequence[int]) -> str:
+    """The advice for ranks that never reached the rendezvous store (:func:`reaching_store`)."""
+    who = f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+    return (
+        f"{who} never reached the rendezvous store: still inside torch's TCPStore, connecting "
+        "to MASTER_ADDR:MASTER_PORT. On several machines, check that node 0's launch is "
+        "running and that this machine reaches master_addr at that port (a firewall, or a "
+        "host name it cannot resolve)."
+    )
+
+
 _TRACEBACK_FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<name>\S+)')
 
 
@@ -426,8 +448,11 @@ def timeout_report(
     lines.extend(collective_counts(ranks))
     for rank, text in stacks.items():
         lines.append(f"\nStack of rank {rank} (most recent call last):\n{text}")
+    connecting = [v.rank for v in ranks if v.state == "blocked" and reaching_store(v.frames)]
+    if connecting:
+        lines.append("\n" + store_hint(connecting))
     if calls:
-        lines.append("\n" + timeout_hint(calls))
+        lines.append(("" if connecting else "\n") + timeout_hint(calls))
     if _counts_differ(ranks):
         lines.append(COUNTS_DIFFER_NOTE)
     if any(view.state == "teardown" for view in ranks):
