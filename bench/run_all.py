@@ -48,6 +48,7 @@ BENCHMARKS = (
     "debug_entry",
     "live_ranks",
     "group_teardown_hang",
+    "fork_beside_store",
     "first_cell",
     "fast_lane",
 )

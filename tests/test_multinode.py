@@ -197,3 +197,32 @@ def test_node0_forks_every_rank_before_its_store_serves(capsys):
     assert [v["sum"] for v in result] == [10.0, 10.0]
     assert len(forks) == 2, forks  # one fork per rank of node 0
     assert max(forks) <= before, (before, forks)
+
+
+def _return_rank() -> int:
+    dist.init_process_group()
+    return dist.get_rank()
+
+
+@pytest.mark.fast
+@pytest.mark.timeout(60)
+def test_a_store_that_cannot_serve_after_the_forks_takes_the_ranks_with_it(monkeypatch):
+    """The store's server starts after the forks; if it cannot, the forked ranks (which would
+    wait for it) are stopped, the error reaches the caller, and the next launch works."""
+    from nb_dist._starter import _parts
+
+    forked: list[int] = []
+    serve = _parts.serve_store
+
+    def refuse(listener, address, world_size):
+        forked.extend(child.pid for child in psutil.Process().children())
+        listener.close()
+        raise RuntimeError("the store refused to start")
+
+    monkeypatch.setattr(_parts, "serve_store", refuse)
+    with pytest.raises(RuntimeError, match="the store refused to start"):
+        notebook_launcher(_return_rank, num_processes=2, timeout=30)
+    assert len(forked) >= 2, forked
+    assert_all_gone(forked)
+    monkeypatch.setattr(_parts, "serve_store", serve)
+    assert list(notebook_launcher(_return_rank, num_processes=2, timeout=30)) == [0, 1]

@@ -152,7 +152,9 @@ class LocalHost:
             return rank_spec(plan, index, self._places[index], envs[index], kernel_fds)
 
         lifeline = start_all(plan.start_method, ranks, spec_for)
-        self._store.serve()  # every rank is forked: no fork runs beside its server thread
+        # Every rank is forked: no fork runs beside the store's server thread. (If it cannot
+        # start, the supervisor stops the started ranks, as for any failure to start.)
+        self._store.serve()
         # Who may hold a port later: a busy port held by one of these is named as ours.
         _ports.remember_ranks([rank.outcome.pid for rank in ranks if rank.outcome.pid])
         return lifeline
