@@ -59,8 +59,8 @@ CLIENTS = textwrap.dedent(
 
 #: The parent: ``rounds`` rounds of one mode; prints how many children each round left hung.
 PARENT = textwrap.dedent(
-    """
-    import json, os, signal, socket, subprocess, sys, time
+    r"""
+    import json, os, re, shutil, signal, socket, subprocess, sys, time
     from datetime import timedelta
     import torch.distributed as dist
     from nb_dist._starter import _parts
@@ -83,7 +83,7 @@ PARENT = textwrap.dedent(
         except BaseException:
             os._exit(3)
 
-    hung = []
+    hung, where = [], []
     for _ in range(rounds):
         listener = _parts.store_socket("127.0.0.1", port)
         store = None
@@ -105,6 +105,11 @@ PARENT = textwrap.dedent(
                     left.discard(pid)
             time.sleep(0.01)
         for pid in left:
+            if shutil.which("gdb"):  # where it waits: its innermost named frames
+                bt = subprocess.run(["gdb", "-p", str(pid), "-batch", "-ex", "bt 8"],
+                                    capture_output=True, text=True, timeout=60).stdout
+                names = re.findall(r"^#\d+\s+(?:0x[0-9a-f]+ in )?([A-Za-z_][\w:]*)", bt, re.M)
+                where.append(" < ".join(names[:4]))
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
         hung.append(len(left))
@@ -112,12 +117,13 @@ PARENT = textwrap.dedent(
     for c in clients:
         c.kill()
         c.wait()
-    print("RESULT " + json.dumps(hung))
+    print("RESULT " + json.dumps({"hung": hung, "where": where}))
     """
 )
 
 
-def _mode(mode: str, rounds: int, children: int, hang_after: float) -> list[int] | None:
+def _mode(mode: str, rounds: int, children: int, hang_after: float) -> dict[str, Any] | None:
+    """One parent's rounds: children hung per round, and where each hung child waited."""
     run = subprocess.run(
         [sys.executable, "-c", PARENT, mode, str(rounds), str(children), str(hang_after), CLIENTS],
         cwd=ROOT, capture_output=True, text=True,
@@ -129,21 +135,24 @@ def _mode(mode: str, rounds: int, children: int, hang_after: float) -> list[int]
         return None
     import json
 
-    return [int(n) for n in json.loads(line[len("RESULT ") :])]
+    return json.loads(line[len("RESULT ") :])  # type: ignore[no-any-return]
 
 
 def measure(rounds: int, children: int, hang_after: float) -> dict[str, Any]:
     per_mode: dict[str, list[int]] = {mode: [] for mode in MODES}
+    where: dict[str, list[str]] = {mode: [] for mode in MODES}
     errors = {mode: 0 for mode in MODES}
     batches = max(1, rounds // 5)
     for i in range(batches):  # interleaved in batches: a slow patch hits both modes
         for mode in MODES:
             began = time.monotonic()
-            found = _mode(mode, rounds // batches, children, hang_after)
-            if found is None:
+            result = _mode(mode, rounds // batches, children, hang_after)
+            if result is None:
                 errors[mode] += 1
                 continue
+            found = [int(n) for n in result["hung"]]
             per_mode[mode].extend(found)
+            where[mode].extend(result["where"])
             print(
                 f"batch {i + 1}/{batches} {mode}: {sum(found)} of {children * len(found)} hung "
                 f"({time.monotonic() - began:.0f} s)",
@@ -155,6 +164,8 @@ def measure(rounds: int, children: int, hang_after: float) -> dict[str, Any]:
             "hung": sum(found),
             "rounds_with_a_hang": sum(n > 0 for n in found),
             "errors": errors[mode],
+            # gdb's innermost frames of each hung child (empty without gdb)
+            "where": sorted(set(where[mode])),
         }
         for mode, found in per_mode.items()
     }
@@ -176,6 +187,9 @@ def markdown(data: dict[str, Any]) -> str:
     for mode, row in data["summary"].items():
         rate = row["hung"] / row["children"] if row["children"] else 0.0
         lines.append(f"| {mode} | {row['children']} | {row['hung']} | {rate:.0%} |")
+    for mode, row in data["summary"].items():
+        for place in row.get("where", []):
+            lines.append(f"\n{mode}, a hung child waited in: `{place}`")
     return "\n".join(lines)
 
 
