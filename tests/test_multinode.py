@@ -77,14 +77,10 @@ def _wait_for_workers(process: subprocess.Popen, count: int, within: float) -> N
     raise AssertionError(f"node 1 did not start {count} workers within {within} s")
 
 
-@pytest.mark.fast
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("order", ["node0_first", "node1_first"])
-def test_two_nodes_on_loopback_form_one_world(capsys, order):
-    """Node 0 and node 1 (2 ranks each) rendezvous on one port: world 4, all_reduce sums to 10.
-
-    With node1_first, node 1's workers are already waiting when node 0 opens the store.
-    """
+def _node0_beside_node1(node1_first: bool, before_launch=lambda: None):
+    """Start node 1 (2 ranks) in a subprocess, launch node 0 (2 ranks) here on one port; node
+    0's result and node 1's ``(returncode, stdout, stderr)``. ``node1_first``: node 0 starts
+    once node 1's ranks are up and connecting. ``before_launch`` runs just before node 0's."""
     port = _free_port()
     script = _NODE1.format(tests_dir=os.path.dirname(os.path.abspath(__file__)), port=port)
     node1 = subprocess.Popen(
@@ -95,8 +91,9 @@ def test_two_nodes_on_loopback_form_one_world(capsys, order):
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     try:
-        if order == "node1_first":
+        if node1_first:
             _wait_for_workers(node1, 2, within=30)  # node 1's ranks are up and connecting
+        before_launch()
         result = notebook_launcher(
             _allreduce_rank_plus_one,
             num_processes=2,
@@ -111,7 +108,19 @@ def test_two_nodes_on_loopback_form_one_world(capsys, order):
         if node1.poll() is None:
             node1.kill()
             node1.communicate()
-    assert node1.returncode == 0, out1 + err1
+    return result, port, (node1.returncode, out1, err1)
+
+
+@pytest.mark.fast
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("order", ["node0_first", "node1_first"])
+def test_two_nodes_on_loopback_form_one_world(capsys, order):
+    """Node 0 and node 1 (2 ranks each) rendezvous on one port: world 4, all_reduce sums to 10.
+
+    With node1_first, node 1's workers are already waiting when node 0 opens the store.
+    """
+    result, port, (code1, out1, err1) = _node0_beside_node1(order == "node1_first")
+    assert code1 == 0, out1 + err1
 
     # Node 0: global ranks 0 and 1, hosting the store on the agreed port.
     assert result.ranks == [0, 1]
@@ -144,6 +153,12 @@ def _threads_here() -> int:
 
 
 _forking: list[int] | None = None  # while armed: this process's thread count at each fork
+_threads_before = 0  # and just before it was armed
+
+
+def _arm_fork_count() -> None:
+    global _forking, _threads_before
+    _threads_before, _forking = _threads_here(), []
 
 
 def _count_threads_at_fork() -> None:
@@ -151,10 +166,13 @@ def _count_threads_at_fork() -> None:
         _forking.append(_threads_here())
 
 
+os.register_at_fork(before=_count_threads_at_fork)  # does nothing until a test arms it
+
+
 @pytest.mark.fast
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in /proc")
-def test_node0_forks_every_rank_before_its_store_serves(capsys):
+def test_node0_forks_every_rank_before_its_store_serves():
     """Other machines' ranks connect to node 0's store whenever they start. The store's server
     thread looks each new peer's name up (``getnameinfo``) under glibc's resolver lock, and a
     rank forked at that moment inherits the lock held: it hangs in ``init_process_group`` for
@@ -163,40 +181,14 @@ def test_node0_forks_every_rank_before_its_store_serves(capsys):
     kernel's own runs while it forks, and node 1's early ranks still join.
     """
     global _forking
-    os.register_at_fork(before=_count_threads_at_fork)  # idempotent in effect: armed below
-    port = _free_port()
-    script = _NODE1.format(tests_dir=os.path.dirname(os.path.abspath(__file__)), port=port)
-    node1 = subprocess.Popen(
-        [sys.executable, "-c", script],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
     try:
-        _wait_for_workers(node1, 2, within=30)  # node 1's ranks are up and connecting
-        before, _forking = _threads_here(), []
-        try:
-            result = notebook_launcher(
-                _allreduce_rank_plus_one,
-                num_processes=2,
-                num_nodes=2,
-                node_rank=0,
-                use_port=port,
-                master_addr="127.0.0.1",
-                timeout=45,
-            )
-        finally:
-            forks, _forking = _forking, None
-        out1, err1 = node1.communicate(timeout=50)
+        result, _, (code1, out1, err1) = _node0_beside_node1(True, before_launch=_arm_fork_count)
     finally:
-        if node1.poll() is None:
-            node1.kill()
-            node1.communicate()
-    assert node1.returncode == 0, out1 + err1
+        forks, _forking = _forking, None
+    assert code1 == 0, out1 + err1
     assert [v["sum"] for v in result] == [10.0, 10.0]
-    assert len(forks) == 2, forks  # one fork per rank of node 0
-    assert max(forks) <= before, (before, forks)
+    assert forks is not None and len(forks) == 2, forks  # one fork per rank of node 0
+    assert max(forks) <= _threads_before, (_threads_before, forks)
 
 
 def _return_rank() -> int:
